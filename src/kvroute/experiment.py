@@ -1,0 +1,132 @@
+"""Experiment files: load, validate against the schema, and expand into runs.
+
+Everything that can be wrong with an experiment (a misspelt key, an unknown policy,
+hardware or generator, a bad parameter) is reported before anything runs, naming the
+key or value at fault.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import yaml
+
+from kvroute.hardware import load_hardware
+from kvroute.policies import make_policy
+
+
+class ExperimentError(ValueError):
+    """An experiment file that cannot run; the message names the file and key."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One simulation job: a policy on a hardware profile for one round."""
+
+    experiment: str
+    hardware: str
+    policy: str
+    round: int
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    path: Path
+    seed: int
+    rounds: int
+    view: str
+    workload: dict
+    runs: tuple[tuple[str, tuple[str, ...]], ...]  # (hardware, policy specs)
+    raw: dict
+
+    def expand(
+        self,
+        policies: list[str] | None = None,
+        hardware: str | None = None,
+        rounds: int | None = None,
+        round_: int | None = None,
+    ) -> list[Run]:
+        """The runs to do, with command-line overrides applied.
+
+        ``hardware`` moves every policy of the experiment onto that profile;
+        ``policies`` replaces each run's policy list; ``round_`` selects one round.
+        """
+        pairs: list[tuple[str, str]] = []
+        for hw, pols in self.runs:
+            hw = hardware or hw
+            for p in policies or pols:
+                if (hw, p) not in pairs:
+                    pairs.append((hw, p))
+        n = rounds or self.rounds
+        rnds = [round_] if round_ is not None else list(range(n))
+        return [Run(self.name, hw, p, r) for r in rnds for hw, p in pairs]
+
+
+def _schema() -> dict:
+    text = resources.files("kvroute.schemas").joinpath("experiment.schema.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def _where(err: jsonschema.ValidationError) -> str:
+    return ".".join(str(p) for p in err.absolute_path) or "(top level)"
+
+
+def validate_policy_spec(spec: str) -> None:
+    make_policy(spec, np.random.default_rng(0))
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment file; raise :class:`ExperimentError` naming the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ExperimentError(f"{path}: no such experiment file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ExperimentError(f"{path}: not valid YAML: {exc}") from exc
+    validator = jsonschema.Draft202012Validator(_schema())
+    errors = sorted(validator.iter_errors(raw), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        raise ExperimentError(f"{path}: key {_where(e)}: {e.message}")
+    wl = raw["workload"]
+    if "generator" in wl:
+        from kvroute.workload import generator_params
+
+        try:
+            valid = generator_params(wl["generator"])
+        except ValueError as exc:
+            raise ExperimentError(f"{path}: key workload.generator: {exc}") from exc
+        for key in wl.get("params", {}):
+            if key not in valid:
+                raise ExperimentError(
+                    f"{path}: key workload.params.{key}: unknown parameter of generator "
+                    f"{wl['generator']!r}; valid: {', '.join(sorted(valid))}"
+                )
+    runs = []
+    for i, run in enumerate(raw["runs"]):
+        try:
+            load_hardware(run["hardware"])
+        except ValueError as exc:
+            raise ExperimentError(f"{path}: key runs.{i}.hardware: {exc}") from exc
+        for j, spec in enumerate(run["policies"]):
+            try:
+                validate_policy_spec(spec)
+            except ValueError as exc:
+                raise ExperimentError(f"{path}: key runs.{i}.policies.{j}: {exc}") from exc
+        runs.append((run["hardware"], tuple(run["policies"])))
+    return Experiment(
+        name=raw["name"],
+        path=path,
+        seed=raw.get("seed", 1),
+        rounds=raw.get("rounds", 1),
+        view=raw.get("view", "auto"),
+        workload=raw["workload"],
+        runs=tuple(runs),
+        raw=raw,
+    )

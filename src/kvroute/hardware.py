@@ -1,0 +1,175 @@
+"""Hardware profiles: what a cluster of workers is made of, read from ``hardware/*.yaml``.
+
+A profile names the GPU (or CPU) and its count, the model, the engine settings and
+how many workers share each device. Coefficients of the step-time model are kept per
+hardware *family* in ``hardware/coefficients.yaml`` so every experiment on a family
+uses the same set (no per-experiment tuning).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import yaml
+
+GB = 1e9
+
+
+def hardware_dir() -> Path:
+    """``$KVROUTE_HARDWARE_DIR``, else the repository's ``hardware/``, else ``./hardware``."""
+    env = os.environ.get("KVROUTE_HARDWARE_DIR")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2] / "hardware"
+    return repo if repo.is_dir() else Path.cwd() / "hardware"
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Step-time model coefficients; see docs/costmodel.md for their meaning."""
+
+    mem_efficiency: float
+    compute_efficiency: float
+    step_overhead_ms: float
+    per_seq_overhead_ms: float
+    activation_reserve_gb: float
+    api_overhead_ms: float
+    api_jitter_ms: float
+
+
+@dataclass(frozen=True)
+class Engine:
+    kind: str
+    version: str
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    gpu_memory_utilization: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    gpu_name: str
+    gpus: int
+    memory_gb: float
+    mem_bw_gbps: float
+    tflops: float
+    model: Model
+    engine: Engine
+    workers: int
+    workers_per_gpu: int
+    coefficients_name: str
+    coefficients: Coefficients
+    kv_cache_bytes: float | None = None  # fixed KV budget (vLLM CPU's --kv-cache-memory-bytes)
+
+    @property
+    def worker_names(self) -> list[str]:
+        return [f"w{i}" for i in range(self.workers)]
+
+    def gpu_of(self, worker_index: int) -> int:
+        """Device a worker runs on; workers_per_gpu > 1 means they share it."""
+        return worker_index // self.workers_per_gpu
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks per worker: its memory share minus weights and a reserve, as vLLM sizes it."""
+        if self.kv_cache_bytes is not None:
+            kv = self.kv_cache_bytes
+        else:
+            share = self.memory_gb * GB * self.engine.gpu_memory_utilization
+            kv = share - self.model.weight_bytes - self.coefficients.activation_reserve_gb * GB
+        blocks = int(kv // (self.model.kv_bytes_per_token * self.engine.block_size))
+        if blocks <= 0:
+            raise ValueError(f"hardware {self.name!r}: no memory left for the KV cache")
+        return blocks
+
+    def to_dict(self) -> dict:
+        """Flat description for provenance (manifest, records metadata)."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "gpu": self.gpu_name,
+            "gpus": self.gpus,
+            "workers": self.workers,
+            "workers_per_gpu": self.workers_per_gpu,
+            "model": self.model.name,
+            "engine": f"{self.engine.kind} {self.engine.version}",
+            "block_size": self.engine.block_size,
+            "num_blocks": self.num_blocks,
+            "coefficients": self.coefficients_name,
+        }
+
+
+def _read_yaml(path: Path) -> dict:
+    with open(path) as fh:
+        return yaml.safe_load(fh)
+
+
+def available_hardware(directory: Path | None = None) -> list[str]:
+    d = directory or hardware_dir()
+    skip = {"models", "coefficients"}
+    return sorted(p.stem for p in d.glob("*.yaml") if p.stem not in skip)
+
+
+@cache
+def _load(name: str, directory: str) -> Hardware:
+    d = Path(directory)
+    valid = available_hardware(d)
+    if name not in valid:
+        raise ValueError(f"unknown hardware {name!r}; valid: {', '.join(valid)}")
+    raw = _read_yaml(d / f"{name}.yaml")
+    models = _read_yaml(d / "models.yaml")
+    coeffs = _read_yaml(d / "coefficients.yaml")
+    try:
+        gpu = raw["gpu"]
+        model = Model(**{k: (float(v) if k == "params" else v) for k, v in models[raw["model"]].items()})
+        coef = Coefficients(**coeffs[raw["coefficients"]])
+        return Hardware(
+            name=raw["name"],
+            description=raw["description"],
+            gpu_name=gpu["name"],
+            gpus=int(gpu["count"]),
+            memory_gb=float(gpu["memory_gb"]),
+            mem_bw_gbps=float(gpu["mem_bw_gbps"]),
+            tflops=float(gpu["tflops"]),
+            kv_cache_bytes=gpu.get("kv_cache_bytes"),
+            model=model,
+            engine=Engine(**raw["engine"]),
+            workers=int(raw["workers"]),
+            workers_per_gpu=int(raw["workers_per_gpu"]),
+            coefficients_name=raw["coefficients"],
+            coefficients=coef,
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"hardware profile {name!r} is malformed: {exc}") from exc
+
+
+def load_hardware(name: str, directory: Path | None = None) -> Hardware:
+    """Load a profile by name; an unknown name raises ValueError listing the valid ones."""
+    return _load(name, str(directory or hardware_dir()))

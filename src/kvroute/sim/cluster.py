@@ -1,0 +1,293 @@
+"""The simulated cluster: SimPy processes around the engines, the router and the clients.
+
+::
+
+    client ──turn──► Router.route ──(API-server overhead)──► Engine.waiting
+       ▲              policy.choose(view)                      │ WorkerDriver: plan, wait, commit
+       └──────────── reply finished ◄──────────────────────────┘
+
+Only this module knows SimPy. Engines (``kvroute.sim.engine``) and policies
+(``kvroute.policies``) are plain objects the live emulator and gateway reuse.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import simpy
+
+from kvroute.costmodel import StepTimeModel
+from kvroute.hardware import Hardware
+from kvroute.kvcache.index import ApproxPrefixIndex
+from kvroute.policies.base import Policy, RouteRequest
+from kvroute.sim.engine import Engine, EngineRequest
+from kvroute.sim.stream import ConversationStream
+from kvroute.workload.trace import Conversation, Trace
+
+
+class WorkerDriver:
+    """Runs one engine in simulated time; wakes on arrivals and co-located load changes."""
+
+    def __init__(self, env: simpy.Environment, engine: Engine, cluster: SimCluster, gpu: int):
+        self.env = env
+        self.engine = engine
+        self.cluster = cluster
+        self.gpu = gpu
+        self.busy = False
+        self._wake: simpy.Event | None = None
+        self.process = env.process(self._run())
+
+    def wake(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _set_busy(self, busy: bool) -> None:
+        if busy != self.busy:
+            self.busy = busy
+            self.cluster.device_load_changed(self)
+
+    def _run(self):
+        env, eng = self.env, self.engine
+        while True:
+            if eng.idle:
+                self._set_busy(False)
+                self._wake = env.event()
+                yield self._wake
+                continue
+            self._set_busy(True)
+            eng.now = env.now
+            plan = eng.plan()
+            start = env.now
+            k = len(plan.ends)
+            if k == 1:  # new arrivals join at the next step boundary anyway
+                yield env.timeout(float(plan.ends[0]))
+                steps = 1
+            else:
+                self._wake = env.event()
+                timer = env.timeout(float(plan.ends[-1]))
+                yield timer | self._wake
+                steps = k
+                if not timer.processed:
+                    # finish the step in progress, then re-plan with the newcomer
+                    done = int(np.searchsorted(plan.ends, env.now - start, side="right"))
+                    steps = min(done + 1, k)
+                    rest = start + float(plan.ends[steps - 1]) - env.now
+                    if rest > 0:
+                        yield env.timeout(rest)
+            first, finished = eng.commit(plan, steps, start)
+            for r in finished:
+                self.cluster.finished(self, r)
+
+
+@dataclass(slots=True)
+class Pending:
+    """Router-side bookkeeping of one routed request."""
+
+    conversation: Conversation
+    turn: int
+    worker: int
+    arrival_s: float
+    done: simpy.Event
+
+
+class SimView:
+    """The :class:`~kvroute.policies.base.ClusterView` of the simulated cluster."""
+
+    def __init__(self, cluster: SimCluster, exact: bool):
+        self.c = cluster
+        self.exact = exact
+        self.block_size = cluster.hw.engine.block_size
+        self._index = {w: i for i, w in enumerate(cluster.workers)}
+
+    @property
+    def workers(self) -> Sequence[str]:
+        return self.c.workers
+
+    def is_up(self, worker: str) -> bool:
+        return True
+
+    def in_flight(self, worker: str) -> int:
+        return self.c.in_flight[self._index[worker]]
+
+    def waiting(self, worker: str) -> int:
+        i = self._index[worker]
+        return self.c.in_flight[i] - len(self.c.engines[i].running)
+
+    def active_blocks(self, worker: str) -> int:
+        return self.c.engines[self._index[worker]].pool.num_used_blocks
+
+    def queue_delay_s(self, worker: str) -> float:
+        i = self._index[worker]
+        return self.c.engines[i].queue_delay_s(self.c.in_transit_tokens[i])
+
+    def matched_tokens(self, worker: str, request: RouteRequest) -> int:
+        hashes = request.block_hashes
+        if self.exact:
+            n = self.c.engines[self._index[worker]].pool.num_cached_blocks(hashes)
+        else:
+            n = self.c.index.match(worker, hashes, self.c.env.now)
+        return n * self.block_size
+
+    def index_size(self, worker: str) -> int:
+        if self.exact:
+            return len(self.c.engines[self._index[worker]].pool.cached)
+        return self.c.index.size(worker)
+
+    def prefill_time_s(self, worker: str, tokens: int) -> float:
+        return self.c.model.prefill_time(tokens)
+
+    def session_worker(self, session_id: str) -> str | None:
+        return self.c.sessions.get(session_id)
+
+
+class SimCluster:
+    """One simulated run: a trace replayed through one policy on one hardware profile."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        hw: Hardware,
+        policy: Policy,
+        rng: np.random.Generator,
+        exact: bool,
+    ) -> None:
+        self.env = simpy.Environment()
+        self.trace = trace
+        self.hw = hw
+        self.policy = policy
+        self.rng = rng
+        self.model = StepTimeModel.from_hardware(hw)
+        self.workers = hw.worker_names
+        self.engines = [
+            Engine(w, self.model, hw.num_blocks, hw.engine.block_size,
+                   hw.engine.max_num_batched_tokens, hw.engine.max_num_seqs)
+            for w in self.workers
+        ]
+        self.drivers = [WorkerDriver(self.env, e, self, hw.gpu_of(i)) for i, e in enumerate(self.engines)]
+        self.in_flight = [0] * len(self.workers)
+        self.in_transit_tokens = [0] * len(self.workers)
+        self.sessions: dict[str, str] = {}
+        self.index = ApproxPrefixIndex(self.workers, hw.engine.block_size, capacity_blocks_per_worker=hw.num_blocks)
+        self.view = SimView(self, exact)
+        self.pending: dict[int, Pending] = {}
+        self.rows: list[dict] = []
+        self._next_rid = 0
+        c = hw.coefficients
+        self._api_lo = max(0.0, c.api_overhead_ms - c.api_jitter_ms) * 1e-3
+        self._api_hi = (c.api_overhead_ms + c.api_jitter_ms) * 1e-3
+
+    # -- device sharing -----------------------------------------------------------
+    def device_load_changed(self, driver: WorkerDriver) -> None:
+        peers = [d for d in self.drivers if d.gpu == driver.gpu]
+        if len(peers) == 1:
+            return
+        share = float(max(1, sum(d.busy for d in peers)))
+        for d in peers:
+            d.engine.share = share
+            if d is not driver:
+                d.wake()
+
+    # -- routing ------------------------------------------------------------------
+    def route(self, conv: Conversation, turn: int, stream: ConversationStream, prompt: int, output: int) -> simpy.Event:
+        env = self.env
+        rid = self._next_rid
+        self._next_rid += 1
+        hashes = stream.chain(prompt + output)
+        bs = self.hw.engine.block_size
+        req = RouteRequest(f"r{rid}", conv.id, turn, prompt, hashes[: prompt // bs])
+        worker = self.policy.choose(req, self.view)
+        i = self.workers.index(worker)
+        self.sessions[conv.id] = worker
+        if not self.view.exact:  # the exact view reads the engines; no index to keep
+            self.index.record(worker, req.block_hashes, env.now)
+        self.in_flight[i] += 1
+        self.in_transit_tokens[i] += prompt
+        done = env.event()
+        self.pending[rid] = Pending(conv, turn, i, env.now, done)
+        ereq = EngineRequest(rid, prompt, output, hashes)
+        env.process(self._deliver(i, ereq))
+        return done
+
+    def _deliver(self, i: int, ereq: EngineRequest):
+        yield self.env.timeout(float(self.rng.uniform(self._api_lo, self._api_hi)))
+        ereq.arrival_s = self.env.now
+        self.in_transit_tokens[i] -= ereq.prompt_tokens
+        self.engines[i].add(ereq)
+        self.drivers[i].wake()
+
+    def finished(self, driver: WorkerDriver, r: EngineRequest) -> None:
+        p = self.pending.pop(r.rid)
+        self.in_flight[p.worker] -= 1
+        self.rows.append(
+            {
+                "conversation": p.conversation.id,
+                "turn": p.turn,
+                "worker": self.workers[p.worker],
+                "arrival_s": p.arrival_s,
+                "first_token_s": r.first_token_s,
+                "finish_s": r.finish_s,
+                "ttft_ms": (r.first_token_s - p.arrival_s) * 1e3,
+                "e2e_ms": (r.finish_s - p.arrival_s) * 1e3,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "output_tokens": r.output_tokens,
+                "status": "ok",
+                "queue_ms": (r.start_s - r.arrival_s) * 1e3,
+                "preemptions": r.preemptions,
+            }
+        )
+        p.done.succeed()
+
+    # -- clients --------------------------------------------------------------------
+    def _conversation(self, conv: Conversation, index: int):
+        stream = ConversationStream(conv.system_id, conv.system_tokens, self.hw.engine.block_size)
+        for k, turn in enumerate(conv.turns):
+            if k and turn.think_s > 0:
+                yield self.env.timeout(turn.think_s)
+            stream.add_user(index, k, turn.user_tokens)
+            prompt = stream.length
+            output = max(1, turn.output_tokens)
+            stream.add_assistant(index, k, output)
+            yield self.route(conv, k, stream, prompt, output)
+
+    def _closed_slot(self, queue: list[tuple[int, Conversation]]):
+        while queue:
+            index, conv = queue.pop()
+            if conv.arrival_s > self.env.now:  # ramp-up: a chat does not start before its arrival
+                yield self.env.timeout(conv.arrival_s - self.env.now)
+            yield from self._conversation(conv, index)
+
+    def _open_arrival(self, conv: Conversation, index: int):
+        yield self.env.timeout(conv.arrival_s)
+        yield from self._conversation(conv, index)
+
+    def run(self) -> list[dict]:
+        convs = list(enumerate(self.trace.conversations))
+        if self.trace.mode == "closed":
+            queue = convs[::-1]  # pop() from the end keeps trace order
+            slots = self.trace.concurrency or len(convs)
+            for _ in range(min(slots, len(convs))):
+                self.env.process(self._closed_slot(queue))
+        else:
+            for index, conv in convs:
+                self.env.process(self._open_arrival(conv, index))
+        self.env.run()
+        if self.pending:
+            raise RuntimeError(f"simulation ended with {len(self.pending)} requests unfinished")
+        return self.rows
+
+    def worker_stats(self) -> dict[str, dict]:
+        """Per-worker counters, as an engine's /metrics would show them."""
+        return {
+            e.name: {
+                "prefix_queries": e.prefix_queries,
+                "prefix_hits": e.prefix_hits,
+                "preemptions": e.num_preemptions,
+                "evictions": e.pool.num_evictions,
+                "busy_s": e.busy_s,
+            }
+            for e in self.engines
+        }

@@ -1,0 +1,304 @@
+"""A vLLM v1-style engine: continuous batching over a prefix-cached block pool.
+
+Free of SimPy: the caller asks :meth:`Engine.plan` for the next batch of steps, waits
+(simulated or real time) and calls :meth:`Engine.commit` with how many of those steps
+ran. The simulator and the real-time emulator drive the same object.
+
+Scheduling, as vLLM v1's scheduler does it (simplified to what moves latency):
+
+* every step, running requests go first: a decoding request takes one token, a
+  prefilling one the next chunk of its prompt, within ``max_num_batched_tokens``;
+* then waiting requests are admitted in arrival order while the token budget, the
+  ``max_num_seqs`` cap and free blocks allow; an admitted request first looks up
+  the longest cached prefix of its prompt (full blocks; the last prompt token is
+  always recomputed) and prefills only the rest;
+* when a running request needs a block and none is free, the most recently admitted
+  running request is preempted (recompute: its blocks are freed, it rejoins the
+  head of the waiting queue);
+* the step that computes a request's last prompt token also samples its first
+  output token; a request finishes when it has sampled ``output_tokens`` tokens.
+
+Fast path: while every running request is decoding and nothing can be admitted,
+batch composition only changes when a request finishes, so :meth:`plan` returns
+that whole run of steps at once (vectorised step times) instead of one per token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvroute.costmodel import StepTimeModel
+from kvroute.kvcache.pool import BlockPool
+
+
+@dataclass(slots=True, eq=False)
+class EngineRequest:
+    """A request inside an engine. ``hashes`` chains prompt + reply full blocks."""
+
+    rid: int
+    prompt_tokens: int
+    output_tokens: int
+    hashes: list[int]
+    arrival_s: float = 0.0  # when the engine received it
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_generated: int = 0
+    cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not yet admitted)
+    blocks: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the pool's map
+    preemptions: int = 0
+    start_s: float = -1.0  # first admission
+    first_token_s: float = -1.0
+    finish_s: float = -1.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prompt_tokens
+
+
+@dataclass(slots=True)
+class Plan:
+    """The next ``len(ends)`` steps: who computes how many tokens in each."""
+
+    sched: list[tuple[EngineRequest, int]]  # tokens per request in the first step
+    ends: np.ndarray  # cumulative end time of each step, from the plan's start
+    decode_only: bool  # steps after the first repeat the first with one token each
+
+
+class Engine:
+    """One worker: a waiting queue, a running batch and a block pool."""
+
+    def __init__(
+        self,
+        name: str,
+        model: StepTimeModel,
+        num_blocks: int,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+    ) -> None:
+        self.name = name
+        self.model = model
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.budget = max_num_batched_tokens
+        self.max_seqs = max_num_seqs
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.share = 1.0  # set by the cluster when workers time-share a device
+        self.now = 0.0  # set by the driver before each plan (stamps admissions)
+        # counters, as vLLM's /metrics exposes them
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.num_preemptions = 0
+        self.busy_s = 0.0
+
+    # -- interface ----------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, req: EngineRequest) -> None:
+        self.waiting.append(req)
+
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens not yet computed (waiting and running), a queue-delay proxy."""
+        n = sum(r.prompt_tokens - r.num_computed for r in self.waiting)
+        return n + sum(r.prompt_tokens - r.num_computed for r in self.running if r.prefilling)
+
+    def queue_delay_s(self, extra_tokens: int = 0) -> float:
+        """Estimated wait before a new request's prefill starts: the queued prefill
+        work (plus ``extra_tokens`` on their way) at full chunks, plus the time for a
+        sequence slot if the batch is full."""
+        pending = self.pending_prefill_tokens() + extra_tokens
+        n = len(self.running)
+        delay = 0.0
+        if pending:
+            per_step = max(1, self.budget - n)
+            steps = -(-pending // per_step)
+            delay = steps * self.model.step_time(n, 0, [(min(pending, per_step), 0)], self.share)
+        if n >= self.max_seqs:
+            left = min(r.output_tokens - r.num_generated for r in self.running)
+            delay += left * self.model.step_time(n, 0, (), self.share)
+        return delay
+
+    def plan(self) -> Plan | None:
+        """Schedule the next step (and, on the fast path, the run of decode steps after it)."""
+        if self.idle:
+            return None
+        sched = self._schedule()
+        if not sched:  # nothing fits (every block pinned by waiting admissions): should not happen
+            raise RuntimeError(f"engine {self.name}: cannot schedule any request")
+        decode_only = all(n == 1 and not r.prefilling for r, n in sched)
+        if decode_only and not self._can_admit():
+            k = min(r.output_tokens - r.num_generated for r, _ in sched)
+            k = self._steps_with_blocks(sched, k)
+            n = len(sched)
+            ctx0 = sum(r.num_computed + 1 for r, _ in sched)
+            ends = self.model.decode_steps(n, ctx0, k, self.share)
+            return Plan(sched, ends, True)
+        n_dec, dec_ctx, prefills = 0, 0, []
+        for r, n in sched:
+            if r.prefilling:
+                prefills.append((n, r.num_computed))
+            else:
+                n_dec += 1
+                dec_ctx += r.num_computed + 1
+        t = self.model.step_time(n_dec, dec_ctx, prefills, self.share)
+        return Plan(sched, np.array([t]), False)
+
+    def commit(self, plan: Plan, steps: int, start_s: float) -> tuple[list[EngineRequest], list[EngineRequest]]:
+        """Apply the first ``steps`` steps of ``plan`` begun at ``start_s``.
+
+        Returns (requests that produced their first token, requests that finished).
+        """
+        bs = self.block_size
+        ends = plan.ends
+        end_s = start_s + float(ends[steps - 1])
+        self.busy_s += float(ends[steps - 1])
+        first, done = [], []
+        for r, n in plan.sched:
+            if plan.decode_only:
+                r.num_computed += steps
+                r.num_generated += steps
+            else:
+                was_prefilling = r.prefilling
+                r.num_computed += n
+                if was_prefilling:
+                    if not r.prefilling:
+                        r.num_generated = 1
+                        r.first_token_s = end_s
+                        first.append(r)
+                else:
+                    r.num_generated += 1
+            if r.num_computed // bs > r.num_cached_blocks:
+                self._cache_blocks(r, bs)
+            if r.num_generated >= r.output_tokens:
+                r.finish_s = end_s
+                done.append(r)
+        if plan.decode_only and steps < len(ends):
+            self._release_unused_blocks(plan.sched)
+        for r in done:
+            self.running.remove(r)
+            self.pool.free_blocks(reversed(r.blocks))
+            r.blocks = []
+        return first, done
+
+    # -- internals ----------------------------------------------------------
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _cache_blocks(self, r: EngineRequest, bs: int) -> None:
+        full = min(r.num_computed // bs, len(r.hashes), len(r.blocks))
+        pool = self.pool
+        for i in range(r.num_cached_blocks, full):
+            pool.cache_full_block(r.blocks[i], r.hashes[i])
+        if full > r.num_cached_blocks:
+            r.num_cached_blocks = full
+
+    def _grow(self, r: EngineRequest, tokens_after: int) -> bool:
+        """Make sure ``r`` holds blocks for ``tokens_after`` tokens; False if none free."""
+        need = self._blocks_for(tokens_after) - len(r.blocks)
+        if need <= 0:
+            return True
+        new = self.pool.get_new_blocks(need)
+        if new is None:
+            return False
+        r.blocks.extend(new)
+        return True
+
+    def _preempt(self, victim: EngineRequest) -> None:
+        self.running.remove(victim)
+        self.pool.free_blocks(reversed(victim.blocks))
+        victim.blocks = []
+        victim.num_cached_blocks = 0
+        victim.num_computed = 0
+        victim.num_generated = 0
+        victim.first_token_s = -1.0
+        victim.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def _schedule(self) -> list[tuple[EngineRequest, int]]:
+        budget = self.budget
+        sched: list[tuple[EngineRequest, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            n = min(r.prompt_tokens - r.num_computed, budget) if r.prefilling else 1
+            while r.num_computed + n > len(r.blocks) * self.block_size and not self._grow(r, r.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            else:
+                sched.append((r, n))
+                budget -= n
+                i += 1
+                continue
+            break  # r itself was preempted
+        if preempted:
+            return sched
+        pool = self.pool
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            r = self.waiting[0]
+            if r.num_computed == 0:
+                hashes = r.hashes[: (r.prompt_tokens - 1) // self.block_size]
+                hit = pool.num_cached_blocks(hashes)
+                hit_tokens = hit * self.block_size
+                need = self._blocks_for(hit_tokens + min(r.prompt_tokens - hit_tokens, budget)) - hit
+                hit_blocks = pool.lookup(hashes[:hit])
+                if need + pool.num_idle(hit_blocks) > pool.num_free_blocks:
+                    break  # FCFS: later requests wait behind this one, as in vLLM
+                pool.touch_blocks(hit_blocks)
+                r.blocks = hit_blocks
+                r.num_cached_blocks = hit
+                r.num_computed = hit_tokens
+                if r.cached_tokens < 0:
+                    r.start_s = self.now
+                    r.cached_tokens = r.num_computed
+                    self.prefix_queries += r.prompt_tokens
+                    self.prefix_hits += r.num_computed
+            n = min(r.prompt_tokens - r.num_computed, budget)
+            if not self._grow(r, r.num_computed + n):
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            sched.append((r, n))
+            budget -= n
+        return sched
+
+    def _can_admit(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.max_seqs
+
+    def _steps_with_blocks(self, sched: list[tuple[EngineRequest, int]], k: int) -> int:
+        """Largest run of decode steps (<= k) whose new blocks can be allocated up front."""
+        def need(steps: int) -> int:
+            return sum(max(0, self._blocks_for(r.num_computed + steps) - len(r.blocks)) for r, _ in sched)
+
+        free = self.pool.num_free_blocks
+        if need(k) > free:
+            lo, hi = 1, k  # step 1 is already covered by _schedule
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if need(mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        for r, _ in sched:
+            self._grow(r, r.num_computed + k)
+        return k
+
+    def _release_unused_blocks(self, sched: list[tuple[EngineRequest, int]]) -> None:
+        """After an interrupted fast-path run, give back blocks reserved for steps not run."""
+        for r, _ in sched:
+            keep = self._blocks_for(r.num_computed + 1)
+            if len(r.blocks) > keep:
+                extra = r.blocks[keep:]
+                del r.blocks[keep:]
+                self.pool.free_blocks(reversed(extra))

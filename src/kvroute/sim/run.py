@@ -1,0 +1,119 @@
+"""Run an experiment's simulations and write the records and summary.
+
+Seeds: round ``r`` of an experiment with seed ``s`` draws its workload from seed
+``(s, r)`` (the same trace for every policy and hardware of that round, so policies
+are compared on identical traffic) and its jitter and policy randomness from
+``(s, r, hardware, policy)``. Same file and seed, byte-identical records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+from tqdm import tqdm
+
+from kvroute.experiment import Experiment, Run
+from kvroute.hardware import load_hardware
+from kvroute.policies import make_policy
+from kvroute.records import REQUEST_COLUMNS, requests_table, summarize, write_atomic, write_csv, write_requests
+from kvroute.sim.cluster import SimCluster
+from kvroute.workload import generate, read_trace
+from kvroute.workload.trace import Trace
+
+log = logging.getLogger(__name__)
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def trace_seed(seed: int, round_: int) -> int:
+    return int(np.random.SeedSequence([seed, round_]).generate_state(1)[0])
+
+
+def load_trace(exp: Experiment, round_: int) -> Trace:
+    wl = exp.workload
+    if "trace" in wl:
+        return read_trace(Path(wl["trace"]))
+    return generate(wl["generator"], trace_seed(exp.seed, round_), **wl.get("params", {}))
+
+
+def run_rng(exp: Experiment, run: Run) -> np.random.Generator:
+    return np.random.default_rng([exp.seed, run.round, _crc(run.hardware), _crc(run.policy)])
+
+
+def simulate_run(exp: Experiment, run: Run, trace: Trace) -> tuple[list[dict], dict]:
+    """Simulate one run; returns its record rows and run metadata."""
+    hw = load_hardware(run.hardware)
+    rng = run_rng(exp, run)
+    policy = make_policy(run.policy, np.random.default_rng(rng.integers(2**63)))
+    exact = policy.default_exact if exp.view == "auto" else exp.view == "exact"
+    cluster = SimCluster(trace, hw, policy, rng, exact)
+    t0 = time.perf_counter()
+    rows = cluster.run()
+    wall = time.perf_counter() - t0
+    seed = trace_seed(exp.seed, run.round)
+    common = {
+        "source": "sim", "experiment": run.experiment, "hardware": run.hardware,
+        "policy": run.policy, "round": run.round, "view": "exact" if exact else "approx", "seed": seed,
+    }
+    rows = [{**common, **r} for r in sorted(rows, key=lambda r: (r["arrival_s"], r["conversation"], r["turn"]))]
+    sim_s = max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows) if rows else 0.0
+    meta = {
+        "run": dict(run.__dict__), "policy_canonical": policy.spec, "wall_s": wall, "sim_s": sim_s,
+        "workers": hw.worker_names, "worker_stats": cluster.worker_stats(),
+    }
+    return rows, meta
+
+
+def _progress_disabled() -> bool:
+    return bool(os.environ.get("CI")) or not sys.stderr.isatty()
+
+
+def simulate_experiment(
+    exp: Experiment,
+    out: Path,
+    policies: list[str] | None = None,
+    rounds: int | None = None,
+    round_: int | None = None,
+    hardware: str | None = None,
+) -> pd.DataFrame:
+    """Simulate every run of ``exp`` (after overrides) and write ``out``'s two files."""
+    runs = exp.expand(policies, hardware, rounds, round_)
+    for r in runs:  # fail on a bad override before anything runs
+        load_hardware(r.hardware)
+        make_policy(r.policy, np.random.default_rng(0))
+    traces: dict[int, Trace] = {}
+    all_rows: list[dict] = []
+    metas: list[dict] = []
+    bar = tqdm(runs, desc=f"simulate {exp.name}", unit="run", disable=_progress_disabled())
+    for run in bar:
+        bar.set_postfix_str(f"{run.hardware} {run.policy} round {run.round}")
+        if run.round not in traces:
+            traces[run.round] = load_trace(exp, run.round)
+        rows, meta = simulate_run(exp, run, traces[run.round])
+        all_rows.extend(rows)
+        metas.append(meta)
+        log.info("%s %s round %d: %d requests, %.1f sim s in %.2f wall s",
+                 run.hardware, meta["run"]["policy"], run.round, len(rows), meta["sim_s"], meta["wall_s"])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_requests(requests_table(all_rows), out / "requests.parquet")
+    df = pd.DataFrame(all_rows, columns=list(REQUEST_COLUMNS))
+    workers = {(m["run"]["experiment"], m["run"]["hardware"], m["run"]["policy"], m["run"]["round"]): m["workers"] for m in metas}
+    summary = summarize(df, workers)
+    speed = {(m["run"]["experiment"], m["run"]["hardware"], m["run"]["policy"], m["run"]["round"]): m["sim_s"] / m["wall_s"] if m["wall_s"] else float("nan") for m in metas}
+    summary["sim_seconds_per_wall_second"] = [speed[tuple(k)] for k in summary[["experiment", "hardware", "policy", "round"]].itertuples(index=False)]
+    write_csv(summary, out / "summary.csv")
+    info = {"experiment": exp.raw, "runs": metas, "hardware": {h: load_hardware(h).to_dict() for h in {r.hardware for r in runs}}}
+    write_atomic(out / "run.json", lambda tmp: Path(tmp).write_text(json.dumps(info, indent=1, default=str)))
+    return summary

@@ -1,0 +1,66 @@
+"""Token identity for simulated conversations, as chained block hashes.
+
+The simulator never materialises token ids. A conversation's token stream is a list
+of segments (system prompt, then user and assistant messages in order); a block's
+content is the tuple of ``(segment key, start, end)`` pieces it covers. Equal
+content means equal tokens, so the shared system prompt hashes the same in every
+conversation and a conversation's history the same in every turn. Hashes are
+extended incrementally (the stream only grows), so each block is hashed once.
+"""
+
+from __future__ import annotations
+
+from kvroute.kvcache.hashing import ROOT_HASH, block_hash, text_key
+
+SYSTEM, USER, ASSISTANT = 0, 1, 2
+
+
+class ConversationStream:
+    """The growing token stream of one conversation and its block-hash chain."""
+
+    __slots__ = ("block_size", "segments", "length", "hashes", "_parent", "_seg_i", "_seg_off")
+
+    def __init__(self, system_id: str, system_tokens: int, block_size: int):
+        self.block_size = block_size
+        self.segments: list[tuple[tuple[int, ...], int]] = []  # (key, length)
+        self.length = 0
+        self.hashes: list[int] = []
+        self._parent = ROOT_HASH
+        self._seg_i = 0  # segment where the next unhashed block starts
+        self._seg_off = 0
+        if system_tokens > 0:
+            self._append((SYSTEM, text_key(system_id)), system_tokens)
+
+    def _append(self, key: tuple[int, ...], n: int) -> None:
+        if n > 0:
+            self.segments.append((key, n))
+            self.length += n
+
+    def add_user(self, conv_index: int, turn: int, n: int) -> None:
+        self._append((USER, conv_index, turn), n)
+
+    def add_assistant(self, conv_index: int, turn: int, n: int) -> None:
+        self._append((ASSISTANT, conv_index, turn), n)
+
+    def chain(self, n_tokens: int) -> list[int]:
+        """Hashes of the full blocks among the first ``n_tokens`` tokens (a list prefix view)."""
+        want = min(n_tokens, self.length) // self.block_size
+        bs = self.block_size
+        while len(self.hashes) < want:
+            content: list[int] = []
+            need = bs
+            i, off = self._seg_i, self._seg_off
+            while need:
+                key, length = self.segments[i]
+                take = min(need, length - off)
+                content.extend(key)
+                content.append(off)
+                content.append(off + take)
+                need -= take
+                off += take
+                if off == length:
+                    i, off = i + 1, 0
+            self._seg_i, self._seg_off = i, off
+            self._parent = block_hash(self._parent, tuple(content))
+            self.hashes.append(self._parent)
+        return self.hashes[:want]
