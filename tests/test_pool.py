@@ -71,6 +71,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.m_hash: list[int | None] = [None] * num_blocks
         self.m_cached: dict[int, int] = {}
         self.live: dict[int, list[int]] = {}  # request id -> blocks
+        self.m_evictions = 0
         self.next_id = 0
 
     # -- helpers -------------------------------------------------------------
@@ -97,14 +98,19 @@ class PoolMachine(RuleBasedStateMachine):
         expected = self.m_free[:n]
         assert got == expected, "allocation is not least-recently-used first"
         del self.m_free[:n]
+        evicted = []
         for b in got:
             h = self.m_hash[b]
             if h is not None:  # eviction: the hash leaves the map (if it pointed here)
+                evicted.append(h)
                 self.m_hash[b] = None
                 if self.m_cached.get(h) == b:
                     del self.m_cached[h]
-                assert self.pool.num_cached_blocks([h]) == (1 if h in self.m_cached else 0)
             self.m_ref[b] = 1
+        for h in evicted:  # an evicted block is no longer findable through its hash
+            assert self.pool.num_cached_blocks([h]) == (1 if h in self.m_cached else 0)
+        assert self.pool.num_evictions == self.m_evictions + len(evicted)
+        self.m_evictions += len(evicted)
         return self._new_request(list(got))
 
     @rule(req=requests, data=st.data(), h=st.integers(0, 15))

@@ -82,9 +82,24 @@ def test_note2_is_deterministic_and_seed_only_salts_ids() -> None:
     assert note2(3).conversations[0].id != note2(4).conversations[0].id
 
 
+@pytest.mark.parametrize("generator", [note2, agent])
+def test_ramp_spreads_closed_loop_starts_by_seed(generator) -> None:
+    a, b = generator(1, ramp_s=2.0), generator(2, ramp_s=2.0)
+    starts = [c.arrival_s for c in a.conversations]
+    assert all(0.0 <= s < 2.0 for s in starts) and len(set(starts)) == len(starts)
+    assert starts != [c.arrival_s for c in b.conversations]
+    assert all(c.arrival_s == 0.0 for c in generator(1).conversations)  # default: all at once
+    if generator is note2:
+        assert lengths(a) == lengths(b)
+
+
 # --- determinism and meta for every generator -----------------------------------------
 
-SMALL = {"note2": {"chats": 4}, "sharegpt_like": {"conversations": 30}, "agent": {"conversations": 6, "concurrency": 3}}
+SMALL = {
+    "note2": {"chats": 4},
+    "sharegpt_like": {"conversations": 30},
+    "agent": {"conversations": 6, "concurrency": 3},
+}
 
 
 @pytest.mark.parametrize("name", sorted(GENERATORS))
@@ -114,7 +129,8 @@ def test_more_conversations_extend_fewer(name: str) -> None:
 
 
 def test_rate_changes_arrivals_not_lengths() -> None:
-    slow, fast = sharegpt_like(4, conversations=50, rate_per_s=1.0), sharegpt_like(4, conversations=50, rate_per_s=8.0)
+    slow = sharegpt_like(4, conversations=50, rate_per_s=1.0)
+    fast = sharegpt_like(4, conversations=50, rate_per_s=8.0)
     assert lengths(slow) == lengths(fast)
     assert slow.conversations[-1].arrival_s > fast.conversations[-1].arrival_s
 
@@ -374,7 +390,8 @@ conversations_st = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(convs=conversations_st, closed=st.booleans())
 def test_round_trip_property(tmp_path, convs, closed) -> None:
     sizes = {"s0": 0, "s1": 77, "": 5}

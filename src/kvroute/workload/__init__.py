@@ -1,36 +1,35 @@
 """Workloads: the trace model, synthetic generators, ShareGPT conversion and download.
 
 See docs/workloads.md for the generators' parameters and the sources of their fits.
-Names are imported lazily (PEP 562): ``from kvroute.workload.trace import Trace``
+Names are imported lazily (PEP 562), so ``from kvroute.workload.trace import Trace``
 costs no pandas, pyarrow or tqdm import.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-_EXPORTS: dict[str, str] = {
-    **dict.fromkeys(
-        ["GENERATORS", "TOKENS_PER_WORD", "agent", "generate", "generator_params", "note2",
-         "sharegpt_fit", "sharegpt_like", "words_to_tokens"],
-        "generators",
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "generators": (
+        "GENERATORS", "TOKENS_PER_WORD", "agent", "generate", "generator_params", "note2",
+        "sharegpt_fit", "sharegpt_like", "words_to_tokens",
     ),
-    **dict.fromkeys(["read_trace", "trace_from_frame", "trace_to_frame", "write_trace"], "io"),
-    **dict.fromkeys(
-        ["SHAREGPT_FILENAME", "SHAREGPT_SHA256", "SHAREGPT_SIZE", "SHAREGPT_URL", "ChecksumMismatch",
-         "DownloadError", "convert_sharegpt", "describe_tokenizer", "download", "download_sharegpt",
-         "iter_records"],
-        "sharegpt",
+    "io": ("read_trace", "trace_from_frame", "trace_to_frame", "write_trace"),
+    "sharegpt": (
+        "SHAREGPT_FILENAME", "SHAREGPT_SHA256", "SHAREGPT_SIZE", "SHAREGPT_URL",
+        "ChecksumMismatch", "DownloadError", "convert_sharegpt", "describe_tokenizer",
+        "download", "download_sharegpt", "iter_records",
     ),
-    **dict.fromkeys(["Conversation", "Mode", "Trace", "Turn"], "trace"),
+    "trace": ("Conversation", "Mode", "Trace", "Turn"),
 }
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
@@ -40,3 +39,17 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
+    from kvroute.workload.generators import (  # noqa: F401
+        GENERATORS, TOKENS_PER_WORD, agent, generate, generator_params, note2, sharegpt_fit,
+        sharegpt_like, words_to_tokens,
+    )
+    from kvroute.workload.io import (  # noqa: F401
+        read_trace, trace_from_frame, trace_to_frame, write_trace,
+    )
+    from kvroute.workload.sharegpt import (  # noqa: F401
+        SHAREGPT_FILENAME, SHAREGPT_SHA256, SHAREGPT_SIZE, SHAREGPT_URL, ChecksumMismatch,
+        DownloadError, convert_sharegpt, describe_tokenizer, download, download_sharegpt,
+        iter_records,
+    )
+    from kvroute.workload.trace import Conversation, Mode, Trace, Turn  # noqa: F401

@@ -76,7 +76,8 @@ def _float(name: str, value: Any, minimum: float = 0.0, strict: bool = False) ->
     ok = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
     ok = ok and math.isfinite(value) and (value > minimum if strict else value >= minimum)
     if not ok:
-        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {minimum}, got {value!r}")
+        op = ">" if strict else ">="
+        raise ValueError(f"{name} must be a finite number {op} {minimum}, got {value!r}")
     return float(value)
 
 
@@ -93,13 +94,25 @@ def _ids(name: str, seed: int, n: int) -> tuple[str, list[str]]:
     return f"{name}-s{seed}-system", [f"{name}-s{seed}-c{i:05d}" for i in range(n)]
 
 
-def _meta(generator: str, seed: int, params: dict[str, Any], tokens_per_word: float, **extra) -> dict:
-    return {"generator": generator, "seed": seed, "params": params, "tokens_per_word": tokens_per_word, **extra}
+def _meta(generator: str, seed: int, params: dict[str, Any], ratio: float, **extra: Any) -> dict:
+    return {"generator": generator, "seed": seed, "params": params, "tokens_per_word": ratio,
+            **extra}
 
 
 def _poisson_arrivals(rng: Generator, n: int, rate_per_s: float) -> list[float]:
     """Arrival times of a Poisson process started at 0 (exponential gaps)."""
     return np.cumsum(rng.exponential(1.0 / rate_per_s, size=n)).tolist()
+
+
+def _ramp(rng: Generator, n: int, ramp_s: float) -> list[float]:
+    """Closed-loop ramp-up: earliest start of each chat, uniform on [0, ramp_s).
+
+    A closed-loop replayer starts a chat no earlier than its ``arrival_s``; spreading
+    the starts avoids every chat's first prefill landing in the same engine step.
+    """
+    if ramp_s == 0:
+        return [0.0] * n
+    return rng.uniform(0.0, ramp_s, size=n).tolist()
 
 
 def _think_times(rng: Generator, n_turns: int, mean_s: float) -> list[float]:
@@ -121,12 +134,15 @@ def note2(
     reply_tokens: int = 128,
     tokens_per_word: float = TOKENS_PER_WORD,
     think_s: float = 0.0,
+    ramp_s: float = 0.0,
 ) -> Trace:
     """Research note 2, Table 1: ``chats`` chats at once (closed loop), all identical.
 
     One system prompt of ``system_words`` shared by every chat, ``turns`` turns of
     ``user_words``-word messages, ``reply_tokens``-token replies; ``think_s`` between a
-    reply and the next turn. Nothing is random: the seed only salts the ids.
+    reply and the next turn. With the default ``ramp_s=0`` every chat starts at once,
+    as in the note, and nothing is random (the seed only salts the ids); ``ramp_s > 0``
+    draws each chat's earliest start uniformly from [0, ramp_s) (see :func:`_ramp`).
     """
     seed = _seed(seed)
     params = {
@@ -137,12 +153,16 @@ def note2(
         "reply_tokens": _int("reply_tokens", reply_tokens),
         "tokens_per_word": _float("tokens_per_word", tokens_per_word, strict=True),
         "think_s": _float("think_s", think_s),
+        "ramp_s": _float("ramp_s", ramp_s),
     }
     system_tokens = words_to_tokens(system_words, tokens_per_word)
     user_tokens = words_to_tokens(user_words, tokens_per_word)
     chat = tuple(Turn(user_tokens, reply_tokens, think_s if i else 0.0) for i in range(turns))
     system_id, ids = _ids("note2", seed, chats)
-    convs = tuple(Conversation(cid, system_id, system_tokens, chat) for cid in ids)
+    starts = _ramp(_streams(seed)["arrivals"], chats, ramp_s)
+    convs = tuple(
+        Conversation(cid, system_id, system_tokens, chat, start) for cid, start in zip(ids, starts)
+    )
     meta = _meta("note2", seed, params, params["tokens_per_word"],
                  derived={"system_tokens": system_tokens, "user_tokens": user_tokens})
     return Trace("note2", "closed", convs, concurrency=chats, meta=meta).validate()
@@ -177,12 +197,16 @@ def _turn_counts(rng: Generator, n: int, max_turns: int) -> list[int]:
     return np.minimum(counts, max_turns).tolist()
 
 
-def _lognormal_tokens(rng: Generator, n: int, median: float, sigma: float, lo: int, hi: int) -> list[int]:
+def _lognormal_tokens(
+    rng: Generator, n: int, median: float, sigma: float, lo: int, hi: int
+) -> list[int]:
     draws = np.exp(np.log(median) + sigma * rng.standard_normal(n))
     return np.clip(np.rint(draws), lo, hi).astype(np.int64).tolist()
 
 
-def _fit_context(system: int, users: list[int], replies: list[int], limit: int | None) -> list[tuple[int, int]]:
+def _fit_context(
+    system: int, users: list[int], replies: list[int], limit: int | None
+) -> list[tuple[int, int]]:
     """Cut a conversation so every prompt plus its reply fits in ``limit`` tokens.
 
     The first turn is shortened to fit (reply first, then user message); a later turn
@@ -228,7 +252,9 @@ def sharegpt_like(
         "system_words": _int("system_words", system_words, 0),
         "tokens_per_word": _float("tokens_per_word", tokens_per_word, strict=True),
         "max_turns": _int("max_turns", max_turns),
-        "max_context_tokens": None if max_context_tokens is None else _int("max_context_tokens", max_context_tokens),
+        "max_context_tokens": (
+            None if max_context_tokens is None else _int("max_context_tokens", max_context_tokens)
+        ),
         "think_s_mean": _float("think_s_mean", think_s_mean),
     }
     system_tokens = words_to_tokens(system_words, tokens_per_word)
@@ -245,17 +271,18 @@ def sharegpt_like(
     system_id, ids = _ids("sharegpt_like", seed, conversations)
     convs, start = [], 0
     for cid, arrival, n in zip(ids, arrivals, counts):
-        kept = _fit_context(system_tokens, users[start:start + n], replies[start:start + n], max_context_tokens)
+        end = start + n
+        kept = _fit_context(system_tokens, users[start:end], replies[start:end], max_context_tokens)
         think = _think_times(rng["think"], n, think_s_mean)  # drawn for n: later turns stay aligned
         turns = tuple(Turn(u, r, t) for (u, r), t in zip(kept, think))
         convs.append(Conversation(cid, system_id, system_tokens, turns, arrival))
-        start += n
+        start = end
     meta = _meta("sharegpt_like", seed, params, params["tokens_per_word"], fit=sharegpt_fit(),
                  derived={"system_tokens": system_tokens})
     return Trace("sharegpt_like", "open", tuple(convs), meta=meta).validate()
 
 
-def sharegpt_fit() -> dict[str, float | int | str]:
+def sharegpt_fit() -> dict[str, Any]:
     """The ShareGPT fit as plain data (recorded in every trace's meta)."""
     return {
         "user_tokens": "lognormal",
@@ -292,6 +319,7 @@ def agent(
     tokens_per_word: float = TOKENS_PER_WORD,
     max_context_tokens: int = QWEN25_CONTEXT_TOKENS,
     think_s_mean: float = 0.0,
+    ramp_s: float = 0.0,
 ) -> Trace:
     """Agent traffic (the note's "larger run"): long histories, short replies, closed loop.
 
@@ -302,7 +330,8 @@ def agent(
     growth that makes the last prompt exactly ``last_prompt_tokens``, each at least
     ``tool_tokens_min``. Turns per conversation are uniform on [min_turns, max_turns],
     replies uniform on [reply_tokens_min, reply_tokens_max]; ``think_s_mean`` > 0 adds
-    exponential tool-execution time between a reply and the next turn.
+    exponential tool-execution time between a reply and the next turn; ``ramp_s`` > 0
+    spreads the chats' earliest starts over [0, ramp_s).
     """
     seed = _seed(seed)
     params = {
@@ -319,22 +348,28 @@ def agent(
         "tokens_per_word": _float("tokens_per_word", tokens_per_word, strict=True),
         "max_context_tokens": _int("max_context_tokens", max_context_tokens),
         "think_s_mean": _float("think_s_mean", think_s_mean),
+        "ramp_s": _float("ramp_s", ramp_s),
     }
     system_tokens = words_to_tokens(system_words, tokens_per_word)
     _check_agent(params, system_tokens)
     rng = _streams(seed)
     system_id, ids = _ids("agent", seed, conversations)
+    starts = _ramp(rng["arrivals"], conversations, ramp_s)
     convs = []
-    for cid in ids:
+    for cid, start in zip(ids, starts):
         n = int(rng["turns"].integers(min_turns, max_turns, endpoint=True))
-        replies = rng["reply"].integers(reply_tokens_min, reply_tokens_max, size=n, endpoint=True).tolist()
-        growth = last_prompt_tokens - first_prompt_tokens - sum(replies[:-1]) - (n - 1) * tool_tokens_min
+        replies = rng["reply"].integers(reply_tokens_min, reply_tokens_max, n, endpoint=True)
+        replies = replies.tolist()
+        # the tool outputs must add exactly this much beyond their minimum sizes
+        growth = (last_prompt_tokens - first_prompt_tokens - sum(replies[:-1])
+                  - (n - 1) * tool_tokens_min)
         split = rng["user"].multinomial(growth, rng["user"].dirichlet(np.ones(n - 1)))
         users = [first_prompt_tokens - system_tokens, *(tool_tokens_min + split).tolist()]
         think = _think_times(rng["think"], n, think_s_mean)
         turns = tuple(Turn(u, r, t) for u, r, t in zip(users, replies, think))
-        convs.append(Conversation(cid, system_id, system_tokens, turns))
-    meta = _meta("agent", seed, params, params["tokens_per_word"], derived={"system_tokens": system_tokens})
+        convs.append(Conversation(cid, system_id, system_tokens, turns, start))
+    meta = _meta("agent", seed, params, params["tokens_per_word"],
+                 derived={"system_tokens": system_tokens})
     return Trace("agent", "closed", tuple(convs), concurrency=concurrency, meta=meta).validate()
 
 
@@ -378,7 +413,8 @@ def _lookup(name: str) -> Callable[..., Trace]:
     try:
         return GENERATORS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown workload generator {name!r}; valid: {sorted(GENERATORS)}") from None
+        valid = sorted(GENERATORS)
+        raise ValueError(f"unknown workload generator {name!r}; valid: {valid}") from None
 
 
 def generate(name: str, seed: int, **params: Any) -> Trace:
@@ -387,5 +423,8 @@ def generate(name: str, seed: int, **params: Any) -> Trace:
     valid = generator_params(name)
     unknown = sorted(set(params) - set(valid))
     if unknown:
-        raise ValueError(f"unknown parameter(s) {unknown} for workload generator {name!r}; valid: {sorted(valid)}")
+        raise ValueError(
+            f"unknown parameter(s) {unknown} for workload generator {name!r}; "
+            f"valid: {sorted(valid)}"
+        )
     return fn(seed, **params)

@@ -44,7 +44,8 @@ COLUMNS: dict[str, str] = {
 def trace_to_frame(trace: Trace) -> pd.DataFrame:
     """One row per turn, conversations in trace order, turns 0-based in order."""
     rows = [
-        (c.id, c.system_id, c.system_tokens, c.arrival_s, i, t.user_tokens, t.output_tokens, t.think_s)
+        (c.id, c.system_id, c.system_tokens, c.arrival_s,
+         i, t.user_tokens, t.output_tokens, t.think_s)
         for c in trace.conversations
         for i, t in enumerate(c.turns)
     ]
@@ -81,11 +82,14 @@ def _conversation(conv: str, rows: list[int], cols: dict[str, list]) -> Conversa
     rows = sorted(rows, key=lambda r: cols["turn"][r])
     turns_seen = [cols["turn"][r] for r in rows]
     if turns_seen != list(range(len(rows))):
-        raise ValueError(f"conversation {conv!r} has turns {turns_seen}; expected 0..{len(rows) - 1}")
+        raise ValueError(
+            f"conversation {conv!r} has turns {turns_seen}; expected 0..{len(rows) - 1}"
+        )
     for key in ("system_id", "system_tokens", "arrival_s"):
         values = {cols[key][r] for r in rows}
         if len(values) != 1:
-            raise ValueError(f"conversation {conv!r} has several {key} values: {sorted(map(str, values))}")
+            shown = sorted(map(str, values))
+            raise ValueError(f"conversation {conv!r} has several {key} values: {shown}")
     first = rows[0]
     turns = tuple(
         Turn(int(cols["user_tokens"][r]), int(cols["output_tokens"][r]), float(cols["think_s"][r]))
@@ -157,7 +161,9 @@ def read_trace(path: str | os.PathLike) -> Trace:
         raise ValueError(f"{path} is not a kvroute trace (no {METADATA_KEY.decode()} metadata)")
     header = json.loads(raw)
     if header.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: trace format {header.get('format')!r}, this kvroute reads {FORMAT_VERSION}")
+        raise ValueError(
+            f"{path}: trace format {header.get('format')!r}, this kvroute reads {FORMAT_VERSION}"
+        )
     return trace_from_frame(
         table.to_pandas(), header["name"], header["mode"], header["concurrency"], header["meta"]
     )

@@ -38,10 +38,10 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 from tqdm import tqdm
@@ -146,7 +146,7 @@ class ConversionStats:
     unknown_roles: dict[str, int] = field(default_factory=dict)
 
 
-def _counter(tokenizer: Tokenizer | None, tokens_per_word: float):
+def _counter(tokenizer: Tokenizer | None, tokens_per_word: float) -> Callable[[str], int]:
     """A text -> tokens function: the tokenizer, else the words ratio."""
     if tokenizer is not None:
         return lambda text: len(tokenizer.encode(text))
@@ -154,7 +154,9 @@ def _counter(tokenizer: Tokenizer | None, tokens_per_word: float):
     return lambda text: math.ceil(len(text.split()) * tokens_per_word - 1e-9)
 
 
-def _turns(messages: list, count, stats: ConversionStats) -> tuple[str, list[tuple[int, int]]]:
+def _turns(
+    messages: list, count: Callable[[str], int], stats: ConversionStats
+) -> tuple[str, list[tuple[int, int]]]:
     """(system text, [(user tokens, reply tokens)]) by the module's role rules."""
     system_parts: list[str] = []
     turns: list[tuple[int, int]] = []
@@ -189,7 +191,9 @@ def _turns(messages: list, count, stats: ConversionStats) -> tuple[str, list[tup
     return "\n".join(system_parts), turns
 
 
-def _fit(system: int, turns: list[tuple[int, int]], limit: int | None, stats: ConversionStats):
+def _fit(
+    system: int, turns: list[tuple[int, int]], limit: int | None, stats: ConversionStats
+) -> list[tuple[int, int]]:
     """Keep the turns whose prompt plus reply fit in ``limit`` tokens (None: all)."""
     if limit is None:
         return turns
@@ -207,6 +211,49 @@ def _records(source: str | os.PathLike | Iterable[Mapping]) -> Iterable[Any]:
     if isinstance(source, (str, os.PathLike)):
         return iter_records(source)
     return source
+
+
+@dataclass
+class _Converter:
+    """Per-run state of one conversion: how to count, what to share, what was seen."""
+
+    count: Callable[[str], int]
+    shared_id: str
+    shared_tokens: int
+    limit: int | None
+    stats: ConversionStats = field(default_factory=ConversionStats)
+    used_ids: set[str] = field(default_factory=set)
+
+    def conversation(self, record: Any, index: int) -> Conversation | None:
+        """One record as a conversation, or None (counted in stats) when nothing is left."""
+        messages = record.get("conversations") if isinstance(record, Mapping) else None
+        if not isinstance(messages, list):
+            self.stats.skipped_no_turn += 1
+            return None
+        system_text, turns = _turns(messages, self.count, self.stats)
+        if system_text:
+            system_id = "sys-" + hashlib.sha256(system_text.encode("utf-8")).hexdigest()[:16]
+            system_tokens = self.count(system_text)
+        else:
+            system_id, system_tokens = self.shared_id, self.shared_tokens
+        if not turns:
+            self.stats.skipped_no_turn += 1
+            return None
+        turns = _fit(system_tokens, turns, self.limit, self.stats)
+        if not turns:
+            self.stats.skipped_too_long += 1
+            return None
+        cid = self.unique_id(str(record.get("id") or f"sharegpt-{index}"))
+        return Conversation(cid, system_id, system_tokens, tuple(Turn(u, r) for u, r in turns))
+
+    def unique_id(self, cid: str) -> str:
+        """``cid``, or ``cid~2``, ``cid~3``... when already used (ids key the trace table)."""
+        candidate, n = cid, 1
+        while candidate in self.used_ids:
+            n += 1
+            candidate = f"{cid}~{n}"
+        self.used_ids.add(candidate)
+        return candidate
 
 
 def convert_sharegpt(
@@ -234,33 +281,35 @@ def convert_sharegpt(
     (a conversation whose first turn does not fit is skipped). The tokenizer, or the
     ratio used in its place, is named in ``meta["tokenizer"]``.
     """
-    _check_args(mode, rate_per_s, concurrency, max_conversations, tokens_per_word, system_tokens, seed)
-    count = _counter(tokenizer, tokens_per_word)
-    stats = ConversionStats()
+    params = {
+        "max_conversations": max_conversations, "mode": mode,
+        "rate_per_s": rate_per_s if mode == "open" else None, "concurrency": concurrency,
+        "system_tokens": system_tokens, "max_context_tokens": max_context_tokens,
+    }
+    _check_args(params, tokens_per_word, seed)
     from_file = isinstance(path_or_records, (str, os.PathLike))
     source = Path(path_or_records).name if from_file else "records"
     shared_id = f"{name}-system" if system_tokens else ""
+    counter = _counter(tokenizer, tokens_per_word)
+    conv = _Converter(counter, shared_id, system_tokens, max_context_tokens)
     convs: list[Conversation] = []
-    seen_ids: dict[str, int] = {}
-    bar = tqdm(desc=f"converting {name}", unit=" conv", disable=not progress_enabled(progress))
+    bar = tqdm(desc=f"converting {source}", unit=" conv", disable=not progress_enabled(progress))
     with bar:
-        for record in _records(path_or_records):
+        for index, record in enumerate(_records(path_or_records)):
             if max_conversations is not None and len(convs) >= max_conversations:
                 break
-            stats.records += 1
+            conv.stats.records += 1
             bar.update()
-            conv = _conversation(record, stats.records - 1, count, stats, shared_id, system_tokens,
-                                 max_context_tokens, seen_ids)
-            if conv is not None:
-                convs.append(conv)
+            if (c := conv.conversation(record, index)) is not None:
+                convs.append(c)
     if not convs:
-        raise ValueError(f"no conversation with a complete turn in {path_or_records if from_file else 'the records'}")
+        raise ValueError(f"no conversation with a complete turn in {source}")
     if mode == "open":
-        rng = np.random.default_rng(seed)
-        arrivals = _poisson_arrivals(rng, len(convs), rate_per_s)
-        convs = [_with_arrival(c, a) for c, a in zip(convs, arrivals)]
+        arrivals = _poisson_arrivals(np.random.default_rng(seed), len(convs), rate_per_s)
+        convs = [replace(c, arrival_s=a) for c, a in zip(convs, arrivals)]
     elif concurrency > len(convs):
-        raise ValueError(f"concurrency={concurrency} exceeds the {len(convs)} conversations converted")
+        raise ValueError(f"concurrency={concurrency} exceeds the {len(convs)} conversations kept")
+    stats = conv.stats
     stats.conversations, stats.turns = len(convs), sum(len(c.turns) for c in convs)
     meta = {
         "generator": "sharegpt",
@@ -268,67 +317,39 @@ def convert_sharegpt(
         "tokenizer": describe_tokenizer(tokenizer, tokens_per_word),
         "tokens_per_word": None if tokenizer is not None else tokens_per_word,
         "seed": seed,
-        "params": {
-            "max_conversations": max_conversations, "mode": mode,
-            "rate_per_s": rate_per_s if mode == "open" else None, "concurrency": concurrency,
-            "system_tokens": system_tokens, "max_context_tokens": max_context_tokens,
-        },
+        "params": params,
         "stats": _stats_dict(stats),
     }
-    log.info("converted %d conversations (%d turns) from %s; %s", stats.conversations, stats.turns,
-             meta["source"], meta["tokenizer"])
-    return Trace(name, mode, tuple(convs), concurrency if mode == "closed" else None, meta).validate()
+    log.info("converted %d conversations (%d turns) from %s; %s",
+             stats.conversations, stats.turns, source, meta["tokenizer"])
+    closed_concurrency = concurrency if mode == "closed" else None
+    return Trace(name, mode, tuple(convs), closed_concurrency, meta).validate()
 
 
-def _check_args(mode, rate_per_s, concurrency, max_conversations, tokens_per_word, system_tokens, seed) -> None:
+def _is_count(x: Any, minimum: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= minimum
+
+
+def _check_args(p: dict[str, Any], tokens_per_word: Any, seed: Any) -> None:
+    """Fail before reading a 673 MB file, naming the bad argument."""
+    mode, rate = p["mode"], p["rate_per_s"]
     if mode not in ("open", "closed"):
         raise ValueError(f"mode must be 'open' or 'closed', got {mode!r}")
-    if mode == "open" and not (isinstance(rate_per_s, (int, float)) and rate_per_s > 0 and math.isfinite(rate_per_s)):
-        raise ValueError(f"rate_per_s must be a finite number > 0, got {rate_per_s!r}")
-    if mode == "closed" and not (isinstance(concurrency, int) and concurrency >= 1):
-        raise ValueError(f"mode='closed' needs concurrency >= 1, got {concurrency!r}")
-    if mode == "open" and concurrency is not None:
+    if mode == "open" and not (isinstance(rate, (int, float)) and 0 < rate < math.inf):
+        raise ValueError(f"rate_per_s must be a finite number > 0, got {rate!r}")
+    if mode == "closed" and not _is_count(p["concurrency"], 1):
+        raise ValueError(f"mode='closed' needs concurrency >= 1, got {p['concurrency']!r}")
+    if mode == "open" and p["concurrency"] is not None:
         raise ValueError("concurrency applies to mode='closed' only")
-    if max_conversations is not None and not (isinstance(max_conversations, int) and max_conversations >= 1):
-        raise ValueError(f"max_conversations must be None or an integer >= 1, got {max_conversations!r}")
-    if not (isinstance(tokens_per_word, (int, float)) and tokens_per_word > 0):
-        raise ValueError(f"tokens_per_word must be > 0, got {tokens_per_word!r}")
-    if not (isinstance(system_tokens, int) and system_tokens >= 0):
-        raise ValueError(f"system_tokens must be an integer >= 0, got {system_tokens!r}")
-    if not (isinstance(seed, int) and seed >= 0):
+    for key in ("max_conversations", "max_context_tokens"):
+        if p[key] is not None and not _is_count(p[key], 1):
+            raise ValueError(f"{key} must be None or an integer >= 1, got {p[key]!r}")
+    if not (isinstance(tokens_per_word, (int, float)) and 0 < tokens_per_word < math.inf):
+        raise ValueError(f"tokens_per_word must be a finite number > 0, got {tokens_per_word!r}")
+    if not _is_count(p["system_tokens"], 0):
+        raise ValueError(f"system_tokens must be an integer >= 0, got {p['system_tokens']!r}")
+    if not _is_count(seed, 0):
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-
-
-def _conversation(record, index, count, stats, shared_id, shared_tokens, limit, seen_ids) -> Conversation | None:
-    messages = record.get("conversations") if isinstance(record, Mapping) else None
-    if not isinstance(messages, list):
-        stats.skipped_no_turn += 1
-        return None
-    system_text, turns = _turns(messages, count, stats)
-    if system_text:
-        system_id = "sys-" + hashlib.sha256(system_text.encode("utf-8")).hexdigest()[:16]
-        system_tokens = count(system_text)
-    else:
-        system_id, system_tokens = shared_id, shared_tokens
-    if not turns:
-        stats.skipped_no_turn += 1
-        return None
-    turns = _fit(system_tokens, turns, limit, stats)
-    if not turns:
-        stats.skipped_too_long += 1
-        return None
-    cid = _unique_id(str(record.get("id") or f"sharegpt-{index}"), seen_ids)
-    return Conversation(cid, system_id, system_tokens, tuple(Turn(u, r) for u, r in turns))
-
-
-def _unique_id(cid: str, seen: dict[str, int]) -> str:
-    n = seen.get(cid, 0) + 1
-    seen[cid] = n
-    return cid if n == 1 else f"{cid}~{n}"
-
-
-def _with_arrival(c: Conversation, arrival_s: float) -> Conversation:
-    return Conversation(c.id, c.system_id, c.system_tokens, c.turns, arrival_s)
 
 
 def _stats_dict(stats: ConversionStats) -> dict[str, Any]:
@@ -337,7 +358,9 @@ def _stats_dict(stats: ConversionStats) -> dict[str, Any]:
     return out
 
 
-def describe_tokenizer(tokenizer: Tokenizer | None, tokens_per_word: float = TOKENS_PER_WORD) -> str:
+def describe_tokenizer(
+    tokenizer: Tokenizer | None, tokens_per_word: float = TOKENS_PER_WORD
+) -> str:
     """How token counts were made, for ``meta["tokenizer"]``."""
     if tokenizer is None:
         return f"none: {tokens_per_word:.3f} tokens/word ratio"
@@ -376,7 +399,8 @@ def _present(dest: Path, sha256: str | None, size: int | None) -> bool:
     if not dest.is_file():
         return False
     if size is not None and dest.stat().st_size != size:
-        log.warning("%s has %d bytes, expected %d: downloading again", dest, dest.stat().st_size, size)
+        log.warning("%s has %d bytes, expected %d: downloading again",
+                    dest, dest.stat().st_size, size)
         return False
     if sha256 is not None and sha256_file(dest) != sha256:
         log.warning("%s does not have SHA-256 %s: downloading again", dest, sha256)
@@ -422,7 +446,9 @@ def download(
     return dest
 
 
-def _fetch(url: str, out, chunk_size: int, progress: bool | None, timeout_s: float) -> tuple[int, str]:
+def _fetch(
+    url: str, out: BinaryIO, chunk_size: int, progress: bool | None, timeout_s: float
+) -> tuple[int, str]:
     """Stream ``url`` into ``out``; returns (bytes received, SHA-256 hex digest)."""
     request = urllib.request.Request(url, headers={"User-Agent": "kvroute"})
     try:
@@ -445,7 +471,9 @@ def _fetch(url: str, out, chunk_size: int, progress: bool | None, timeout_s: flo
                     received += len(chunk)
                     bar.update(len(chunk))
             except (OSError, http.client.HTTPException) as exc:
-                raise DownloadError(f"download of {url} failed after {received} bytes: {exc!r}") from exc
+                raise DownloadError(
+                    f"download of {url} failed after {received} bytes: {exc!r}"
+                ) from exc
     if total is not None and received != total:
         raise DownloadError(f"download of {url} was cut short: {received} of {total} bytes")
     return received, digest.hexdigest()
@@ -455,7 +483,9 @@ def _verify(url: str, received: int, digest: str, sha256: str | None, size: int 
     if size is not None and received != size:
         raise DownloadError(f"download of {url}: expected {size} bytes, got {received}")
     if sha256 is not None and digest != sha256:
-        raise ChecksumMismatch(f"download of {url}: SHA-256 mismatch: expected {sha256}, got {digest}")
+        raise ChecksumMismatch(
+            f"download of {url}: SHA-256 mismatch: expected {sha256}, got {digest}"
+        )
 
 
 def download_sharegpt(dest_dir: str | os.PathLike, *, progress: bool | None = None) -> Path:

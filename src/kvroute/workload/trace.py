@@ -81,8 +81,8 @@ class Trace:
         shared ``system_id``, non-negative finite times, ``user_tokens >= 0`` and
         ``output_tokens >= 1`` (a reply needs a first token to have a TTFT).
         """
-        _check(isinstance(self.name, str) and self.name != "", "trace name must be a non-empty string")
-        _check(self.mode in ("closed", "open"), f"mode must be 'closed' or 'open', got {self.mode!r}")
+        _check(isinstance(self.name, str) and self.name != "", "trace name must be a non-empty str")
+        _check(self.mode in ("closed", "open"), f"mode must be 'closed' or 'open': {self.mode!r}")
         n = len(self.conversations)
         _check(n > 0, f"trace {self.name!r} has no conversations")
         if self.mode == "closed":
@@ -143,4 +143,7 @@ def _check_conversation(c: Conversation) -> None:
             _is_int(t.output_tokens) and t.output_tokens >= 1,
             f"{at} turn {i}: output_tokens must be an int >= 1, got {t.output_tokens!r}",
         )
-        _check(_is_time(t.think_s), f"{at} turn {i}: think_s must be finite and >= 0, got {t.think_s!r}")
+        _check(
+            _is_time(t.think_s),
+            f"{at} turn {i}: think_s must be finite and >= 0, got {t.think_s!r}",
+        )

@@ -35,7 +35,8 @@ def msg(role: str, words: int) -> dict:
 
 # 3 words -> 4 tokens, 6 -> 8, 9 -> 12, 150 -> 200 at 4/3 tokens per word.
 RECORDS = [
-    {"id": "plain", "conversations": [msg("human", 3), msg("gpt", 6), msg("human", 9), msg("gpt", 3)]},
+    {"id": "plain",
+     "conversations": [msg("human", 3), msg("gpt", 6), msg("human", 9), msg("gpt", 3)]},
     {"id": "system", "conversations": [msg("system", 150), msg("human", 3), msg("gpt", 3)]},
     {"id": "system-twin", "conversations": [msg("system", 150), msg("human", 6), msg("gpt", 6)]},
     {"id": "irregular", "conversations": [
@@ -104,7 +105,8 @@ class CharTokenizer:
 
 
 def test_converter_uses_a_tokenizer_when_given() -> None:
-    records = [{"id": "x", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi!"}]}]
+    messages = [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi!"}]
+    records = [{"id": "x", "conversations": messages}]
     trace = convert_sharegpt(records, tokenizer=CharTokenizer())
     assert trace.conversations[0].turns == (Turn(5, 3),)
     assert trace.meta["tokenizer"] == "tokenizer: chars"
@@ -112,7 +114,8 @@ def test_converter_uses_a_tokenizer_when_given() -> None:
 
 
 def test_records_and_file_give_the_same_trace(sharegpt_file: Path) -> None:
-    from_file, from_records = convert_sharegpt(sharegpt_file, seed=3), convert_sharegpt(RECORDS, seed=3)
+    from_file = convert_sharegpt(sharegpt_file, seed=3)
+    from_records = convert_sharegpt(RECORDS, seed=3)
     assert from_file.conversations == from_records.conversations
     assert from_records.meta["source"] == "records"
 
@@ -159,15 +162,19 @@ def test_nothing_convertible_is_an_error(tmp_path: Path) -> None:
         convert_sharegpt(path)
 
 
-def test_stream_reader_matches_json_load_across_chunk_boundaries(sharegpt_file: Path, monkeypatch) -> None:
+def test_stream_reader_across_chunk_boundaries(sharegpt_file: Path, monkeypatch) -> None:
     monkeypatch.setattr(sg, "_READ_CHUNK", 7)
     assert list(iter_records(sharegpt_file)) == RECORDS
 
 
 @pytest.mark.parametrize(
     ("text", "fragment"),
-    [('{"id": 1}', "JSON list"), ('[{"id": 1}, {"id": ', "malformed"), ('[{"id": 1} {"id": 2}]', "','"),
-     ('[{"id": 1},', "malformed")],
+    [
+        ('{"id": 1}', "JSON list"),
+        ('[{"id": 1}, {"id": ', "malformed"),
+        ('[{"id": 1} {"id": 2}]', "','"),
+        ('[{"id": 1},', "malformed"),
+    ],
 )
 def test_stream_reader_rejects_bad_files(tmp_path: Path, text: str, fragment: str) -> None:
     path = tmp_path / "bad.json"
@@ -224,7 +231,9 @@ def server(tmp_path: Path, no_proxy) -> Iterator[tuple[str, Path, list]]:
     root.mkdir()
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(root)))
     httpd.requests = []
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread = threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
     thread.start()
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}", root, httpd.requests
@@ -246,8 +255,8 @@ def test_download_success(server, tmp_path: Path) -> None:
     url, root, requests = server
     (root / "data.bin").write_bytes(PAYLOAD)
     dest = tmp_path / "out" / "data.bin"
-    got = download(f"{url}/data.bin", dest, sha256=DIGEST.upper(), size=len(PAYLOAD), chunk_size=65536,
-                   progress=False)
+    got = download(f"{url}/data.bin", dest, sha256=DIGEST.upper(), size=len(PAYLOAD),
+                   chunk_size=65536, progress=False)
     assert got == dest and dest.read_bytes() == PAYLOAD
     assert only(dest.parent) == ["data.bin"]
     assert requests == ["/data.bin"]
@@ -300,7 +309,8 @@ def test_present_file_with_right_checksum_is_not_downloaded_again(server, tmp_pa
     (root / "data.bin").write_bytes(PAYLOAD)
     dest = tmp_path / "data.bin"
     dest.write_bytes(PAYLOAD)
-    assert download(f"{url}/data.bin", dest, sha256=DIGEST, size=len(PAYLOAD), progress=False) == dest
+    got = download(f"{url}/data.bin", dest, sha256=DIGEST, size=len(PAYLOAD), progress=False)
+    assert got == dest
     assert requests == []
 
 
