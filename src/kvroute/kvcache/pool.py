@@ -3,7 +3,7 @@
 Blocks have an id, a reference count and, once full and cached, a chained hash.
 The free queue holds every block with ``ref == 0``, least recently used first::
 
-    free queue:  head -> [evict first ........................ evict last] <- tail
+    free queue:  head -> [never used, by id][freed blocks, oldest first] <- tail
                  blocks freed by a finished request are appended tail-first
                  (its last block first), so a chain's suffix is evicted
                  before its prefix and prefixes outlive suffixes.
@@ -11,13 +11,24 @@ The free queue holds every block with ``ref == 0``, least recently used first::
 A freed block keeps its hash and stays findable in ``cached`` until it is taken from
 the queue's head for a new allocation (eviction). Invariants (property-tested):
 every block is either referenced or in the free queue, never both; ``cached`` maps
-each hash to exactly one block that carries that hash.
+each hash to exactly one block that carries that hash; when two blocks carry the same
+hash (computed concurrently) and the mapped one is evicted, the hash moves to the
+survivor, so a hash is cached exactly while some block holds it.
+
+Prefix closure: with chains freed tail-first and touched only as chain prefixes, a
+cached block's whole prefix is cached too, so :meth:`num_cached_blocks` can
+binary-search a chain (routers ask it for every worker on every request).
+
+Speed: the free queue is lazy. Freeing appends ``(block, position)`` to a list and
+taking a reference only marks the block; entries whose block was taken again (or
+freed again later) are skipped when the head is consumed. Freeing and re-touching a
+conversation's blocks every turn thus costs a list append and a counter, not a
+linked-list update.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
 class BlockPool:
@@ -31,32 +42,60 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._dups: dict[int, list[int]] = {}  # hash -> other blocks carrying it
         self.num_evictions = 0
+        self._fresh = 0  # blocks [_fresh, num_blocks) were never allocated: the queue's head
+        self._queue: list[int] = []  # freed blocks, oldest first (lazy: may hold stale entries)
+        self._base = 0  # global position of _queue[0]
+        self._head = 0  # index in _queue of the next entry to consider
+        self._pos = [-1] * num_blocks  # global position of each block's latest queue entry
+        self._num_free = num_blocks
 
     # -- queries -------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return self._num_free
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self._num_free
+
+    @property
+    def free(self) -> list[int]:
+        """The free queue, head (evicted first) to tail; O(queue), for inspection."""
+        return list(self._iter_free())
+
+    def _iter_free(self) -> Iterator[int]:
+        yield from range(self._fresh, self.num_blocks)
+        ref, pos, base, q = self.ref, self._pos, self._base, self._queue
+        for i in range(self._head, len(q)):
+            b = q[i]
+            if not ref[b] and pos[b] == base + i:
+                yield b
 
     def num_cached_blocks(self, hashes: Sequence[int]) -> int:
-        """Leading blocks of a hash chain present in the cache (no side effects)."""
+        """Leading blocks of a hash chain present in the cache (no side effects).
+
+        Binary search, valid by prefix closure (see the module docstring).
+        """
         cached = self.cached
-        n = 0
-        for h in hashes:
-            if h not in cached:
-                break
-            n += 1
-        return n
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if hashes[mid - 1] in cached:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """Block ids of the cached leading run of a hash chain (no side effects)."""
+        cached = self.cached
+        return [cached[h] for h in hashes[: self.num_cached_blocks(hashes)]]
 
     def get_cached_block(self, h: int) -> int | None:
         return self.cached.get(h)
 
-    # -- state changes -------------------------------------------------------
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """Block ids of cached hashes (each must be cached)."""
         cached = self.cached
@@ -67,6 +106,7 @@ class BlockPool:
         ref = self.ref
         return sum(1 for b in blocks if not ref[b])
 
+    # -- state changes -------------------------------------------------------
     def touch(self, hashes: Sequence[int]) -> list[int]:
         """Take a reference on the cached blocks of a chain prefix; returns their ids."""
         ids = self.lookup(hashes)
@@ -74,12 +114,14 @@ class BlockPool:
         return ids
 
     def touch_blocks(self, blocks: Sequence[int]) -> None:
-        """Take a reference on blocks, pulling idle ones out of the free queue."""
-        ref, free = self.ref, self.free
+        """Take a reference on blocks; idle ones leave the free queue (their entry goes stale)."""
+        ref = self.ref
+        idle = 0
         for b in blocks:
             if not ref[b]:
-                del free[b]
+                idle += 1
             ref[b] += 1
+        self._num_free -= idle
 
     def get_new_blocks(self, n: int) -> list[int] | None:
         """Allocate ``n`` blocks from the free queue's head, evicting their hashes.
@@ -87,28 +129,72 @@ class BlockPool:
         Returns ``None`` (and changes nothing) when fewer than ``n`` are free, so the
         caller can preempt and retry.
         """
-        if n > len(self.free):
+        if n > self._num_free:
             return None
-        out = []
-        free, ref, bh, cached = self.free, self.ref, self.block_hash, self.cached
-        for _ in range(n):
-            b, _ = free.popitem(last=False)
-            h = bh[b]
-            if h is not None:
-                bh[b] = None
-                if cached.get(h) == b:
-                    del cached[h]
-                self.num_evictions += 1
+        ref = self.ref
+        take = min(n, self.num_blocks - self._fresh)
+        out = list(range(self._fresh, self._fresh + take))
+        self._fresh += take
+        for b in out:
             ref[b] = 1
-            out.append(b)
+        if take < n:
+            q, pos, base = self._queue, self._pos, self._base
+            i = self._head
+            while len(out) < n:
+                b = q[i]
+                if not ref[b] and pos[b] == base + i:
+                    if self.block_hash[b] is not None:
+                        self._evict(b)
+                    ref[b] = 1
+                    out.append(b)
+                i += 1
+            self._head = i
+            if i > 4096 and i > len(q) // 2:
+                self._compact()
+        self._num_free -= n
         return out
 
+    def _evict(self, b: int) -> None:
+        h = self.block_hash[b]
+        self.block_hash[b] = None
+        self.num_evictions += 1
+        others = self._dups.get(h)
+        if self.cached.get(h) == b:
+            if others:
+                self.cached[h] = others.pop()
+            else:
+                del self.cached[h]
+        elif others:
+            others.remove(b)
+        if others is not None and not others:
+            del self._dups[h]
+
+    def _compact(self) -> None:
+        """Drop consumed entries (positions stay global, so live entries stay valid)."""
+        self._base += self._head
+        del self._queue[: self._head]
+        self._head = 0
+
     def cache_full_block(self, block: int, h: int) -> None:
-        """Mark a full block as holding chain hash ``h`` (first writer wins, as in vLLM)."""
+        """Mark a full block as holding chain hash ``h``; a block keeps its first hash."""
         if self.block_hash[block] is not None:
             return
         self.block_hash[block] = h
-        self.cached.setdefault(h, block)
+        if h in self.cached:
+            self._dups.setdefault(h, []).append(block)
+        else:
+            self.cached[h] = block
+
+    def cache_full_blocks(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
+        """:meth:`cache_full_block` for pairs of blocks and hashes."""
+        bh, cached = self.block_hash, self.cached
+        for b, h in zip(blocks, hashes):
+            if bh[b] is None:
+                if h in cached:
+                    self.cache_full_block(b, h)
+                else:
+                    bh[b] = h
+                    cached[h] = b
 
     def free_blocks(self, ordered_blocks: Sequence[int]) -> None:
         """Drop one reference on each block; blocks reaching zero join the queue's tail.
@@ -116,18 +202,35 @@ class BlockPool:
         Pass a request's blocks in reverse order (tail first) to get vLLM's eviction
         order.
         """
-        ref = self.ref
-        zero = []
+        ref, pos, q = self.ref, self._pos, self._queue
+        p = self._base + len(q)
+        freed = 0
         for b in ordered_blocks:
             ref[b] -= 1
             if not ref[b]:
-                zero.append(b)
-        self.free.update(dict.fromkeys(zero))
+                q.append(b)
+                pos[b] = p
+                p += 1
+                freed += 1
+        self._num_free += freed
+        if len(q) - self._head > 8 * self.num_blocks:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Rewrite the queue with live entries only (bounds memory when nothing is evicted)."""
+        ref, pos, base, q = self.ref, self._pos, self._base, self._queue
+        live = [b for i, b in enumerate(q[self._head :], self._head) if not ref[b] and pos[b] == base + i]
+        self._base += len(self._queue)
+        self._queue = live
+        self._head = 0
+        for i, b in enumerate(live):
+            self._pos[b] = self._base + i
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (only allowed when no block is in use, as in vLLM)."""
         if self.num_used_blocks:
             return False
         self.cached.clear()
+        self._dups.clear()
         self.block_hash = [None] * self.num_blocks
         return True

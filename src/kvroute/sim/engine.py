@@ -134,7 +134,7 @@ class Engine:
         decode_only = all(n == 1 and not r.prefilling for r, n in sched)
         if decode_only and not self._can_admit():
             k = min(r.output_tokens - r.num_generated for r, _ in sched)
-            k = self._steps_with_blocks(sched, k)
+            k = self._steps_with_blocks(sched, k)  # blocks are taken in commit, for steps run
             n = len(sched)
             ctx0 = sum(r.num_computed + 1 for r, _ in sched)
             ends = self.model.decode_steps(n, ctx0, k, self.share)
@@ -159,27 +159,33 @@ class Engine:
         end_s = start_s + float(ends[steps - 1])
         self.busy_s += float(ends[steps - 1])
         first, done = [], []
-        for r, n in plan.sched:
-            if plan.decode_only:
+        if plan.decode_only:
+            for r, _ in plan.sched:
+                if steps > 1:  # step 1's block was taken by _schedule; plan() checked the rest fit
+                    self._grow(r, r.num_computed + steps)
                 r.num_computed += steps
                 r.num_generated += steps
-            else:
-                was_prefilling = r.prefilling
-                r.num_computed += n
-                if was_prefilling:
+                if r.num_computed // bs > r.num_cached_blocks:
+                    self._cache_blocks(r, bs)
+                if r.num_generated >= r.output_tokens:
+                    r.finish_s = end_s
+                    done.append(r)
+        else:
+            for r, n in plan.sched:
+                if r.prefilling:
+                    r.num_computed += n
                     if not r.prefilling:
                         r.num_generated = 1
                         r.first_token_s = end_s
                         first.append(r)
                 else:
+                    r.num_computed += n
                     r.num_generated += 1
-            if r.num_computed // bs > r.num_cached_blocks:
-                self._cache_blocks(r, bs)
-            if r.num_generated >= r.output_tokens:
-                r.finish_s = end_s
-                done.append(r)
-        if plan.decode_only and steps < len(ends):
-            self._release_unused_blocks(plan.sched)
+                if r.num_computed // bs > r.num_cached_blocks:
+                    self._cache_blocks(r, bs)
+                if r.num_generated >= r.output_tokens:
+                    r.finish_s = end_s
+                    done.append(r)
         for r in done:
             self.running.remove(r)
             self.pool.free_blocks(reversed(r.blocks))
@@ -192,10 +198,9 @@ class Engine:
 
     def _cache_blocks(self, r: EngineRequest, bs: int) -> None:
         full = min(r.num_computed // bs, len(r.hashes), len(r.blocks))
-        pool = self.pool
-        for i in range(r.num_cached_blocks, full):
-            pool.cache_full_block(r.blocks[i], r.hashes[i])
-        if full > r.num_cached_blocks:
+        a = r.num_cached_blocks
+        if full > a:
+            self.pool.cache_full_blocks(r.blocks[a:full], r.hashes[a:full])
             r.num_cached_blocks = full
 
     def _grow(self, r: EngineRequest, tokens_after: int) -> bool:
@@ -248,10 +253,10 @@ class Engine:
             r = self.waiting[0]
             if r.num_computed == 0:
                 hashes = r.hashes[: (r.prompt_tokens - 1) // self.block_size]
-                hit = pool.num_cached_blocks(hashes)
+                hit_blocks = pool.match(hashes)
+                hit = len(hit_blocks)
                 hit_tokens = hit * self.block_size
                 need = self._blocks_for(hit_tokens + min(r.prompt_tokens - hit_tokens, budget)) - hit
-                hit_blocks = pool.lookup(hashes[:hit])
                 if need + pool.num_idle(hit_blocks) > pool.num_free_blocks:
                     break  # FCFS: later requests wait behind this one, as in vLLM
                 pool.touch_blocks(hit_blocks)
@@ -276,7 +281,11 @@ class Engine:
         return bool(self.waiting) and len(self.running) < self.max_seqs
 
     def _steps_with_blocks(self, sched: list[tuple[EngineRequest, int]], k: int) -> int:
-        """Largest run of decode steps (<= k) whose new blocks can be allocated up front."""
+        """Largest run of decode steps (<= k) whose new blocks the free queue can supply.
+
+        Nothing is allocated here: :meth:`commit` takes the blocks for the steps that
+        actually ran, so an interrupted run evicts exactly what single steps would.
+        """
         def need(steps: int) -> int:
             return sum(max(0, self._blocks_for(r.num_computed + steps) - len(r.blocks)) for r, _ in sched)
 
@@ -290,15 +299,4 @@ class Engine:
                 else:
                     hi = mid - 1
             k = lo
-        for r, _ in sched:
-            self._grow(r, r.num_computed + k)
         return k
-
-    def _release_unused_blocks(self, sched: list[tuple[EngineRequest, int]]) -> None:
-        """After an interrupted fast-path run, give back blocks reserved for steps not run."""
-        for r, _ in sched:
-            keep = self._blocks_for(r.num_computed + 1)
-            if len(r.blocks) > keep:
-                extra = r.blocks[keep:]
-                del r.blocks[keep:]
-                self.pool.free_blocks(reversed(extra))

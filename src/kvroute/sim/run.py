@@ -86,13 +86,21 @@ def simulate_experiment(
     rounds: int | None = None,
     round_: int | None = None,
     hardware: str | None = None,
+    trace: Path | None = None,
 ) -> pd.DataFrame:
-    """Simulate every run of ``exp`` (after overrides) and write ``out``'s two files."""
+    """Simulate every run of ``exp`` (after overrides) and write ``out``'s two files.
+
+    ``trace`` replays that trace file (written by ``kvroute workload``) instead of
+    drawing the workload again; it is one round's traffic, so the runs must cover
+    exactly one round (pass ``round_`` when the experiment has several).
+    """
     runs = exp.expand(policies, hardware, rounds, round_)
+    if trace is not None and len({r.round for r in runs}) != 1:
+        raise ValueError(f"--trace {trace} is one round's workload; choose the round with --round (the experiment has {exp.rounds})")
     for r in runs:  # fail on a bad override before anything runs
         load_hardware(r.hardware)
         make_policy(r.policy, np.random.default_rng(0))
-    traces: dict[int, Trace] = {}
+    traces: dict[int, Trace] = {runs[0].round: read_trace(Path(trace))} if trace is not None and runs else {}
     all_rows: list[dict] = []
     metas: list[dict] = []
     bar = tqdm(runs, desc=f"simulate {exp.name}", unit="run", disable=_progress_disabled())
@@ -114,6 +122,6 @@ def simulate_experiment(
     speed = {(m["run"]["experiment"], m["run"]["hardware"], m["run"]["policy"], m["run"]["round"]): m["sim_s"] / m["wall_s"] if m["wall_s"] else float("nan") for m in metas}
     summary["sim_seconds_per_wall_second"] = [speed[tuple(k)] for k in summary[["experiment", "hardware", "policy", "round"]].itertuples(index=False)]
     write_csv(summary, out / "summary.csv")
-    info = {"experiment": exp.raw, "runs": metas, "hardware": {h: load_hardware(h).to_dict() for h in {r.hardware for r in runs}}}
+    info = {"experiment": exp.raw, "trace": str(trace) if trace is not None else None, "runs": metas, "hardware": {h: load_hardware(h).to_dict() for h in {r.hardware for r in runs}}}
     write_atomic(out / "run.json", lambda tmp: Path(tmp).write_text(json.dumps(info, indent=1, default=str)))
     return summary

@@ -47,9 +47,15 @@ class ConversationStream:
         want = min(n_tokens, self.length) // self.block_size
         bs = self.block_size
         while len(self.hashes) < want:
+            i, off = self._seg_i, self._seg_off
+            key, length = self.segments[i]
+            if off + bs < length:  # the common case: the block lies inside one segment
+                self._seg_off = off + bs
+                self._parent = block_hash(self._parent, (*key, off, off + bs))
+                self.hashes.append(self._parent)
+                continue
             content: list[int] = []
             need = bs
-            i, off = self._seg_i, self._seg_off
             while need:
                 key, length = self.segments[i]
                 take = min(need, length - off)
