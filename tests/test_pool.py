@@ -201,7 +201,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         p = self.pool
         assert list(p.free) == self.m_free, "free queue order differs from the LRU model"
-        assert p.ref == self.m_ref
+        assert list(p.ref) == self.m_ref
         assert p.block_hash == self.m_hash
         assert p.cached == self.m_cached
         held = sorted(b for blocks in self.live.values() for b in blocks)

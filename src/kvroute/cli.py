@@ -25,17 +25,81 @@ def main(verbose: bool) -> None:
 @click.option("--rounds", type=click.IntRange(min=1), help="Number of rounds (default: the experiment's).")
 @click.option("--round", "round_", type=click.IntRange(min=0), help="Simulate only this round (0-based); one job of a sweep.")
 @click.option("--hardware", help="Run every policy on this hardware profile instead.")
-def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None, hardware: str | None) -> None:
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Replay this trace (from `kvroute workload`) instead of drawing the round's workload again.")
+def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None, hardware: str | None, trace: Path | None) -> None:
     """Simulate EXPERIMENT and write OUT/requests.parquet and OUT/summary.csv."""
     from kvroute.sim.run import simulate_experiment
 
     try:
         exp = load_experiment(experiment)
-        summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware)
+        summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, trace)
     except (ExperimentError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     cols = ["hardware", "policy", "round", "time_to_complete_s", "later_ttft_mean_ms", "hit_rate", "imbalance"]
     click.echo(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+
+
+
+@main.command()
+@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--round", "round_", required=True, type=click.IntRange(min=0), help="Round (0-based) whose workload to write.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Trace file to write (parquet).")
+def workload(experiment: Path, round_: int, out: Path) -> None:
+    """Write round ROUND's workload of EXPERIMENT to OUT, as `kvroute simulate` would draw it."""
+    from kvroute.pipeline import write_round_trace
+
+    try:
+        path = write_round_trace(experiment, round_, out)
+    except (ExperimentError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.argument("dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for the merged requests.parquet and summary.csv.")
+def merge(dirs: tuple[Path, ...], out: Path) -> None:
+    """Concatenate the requests.parquet and summary.csv of each of DIRS into OUT."""
+    from kvroute.pipeline import merge_results
+
+    try:
+        n_requests, n_runs = merge_results(out, list(dirs))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"merged {len(dirs)} folders: {n_runs} runs, {n_requests} requests -> {out}")
+
+
+@main.command()
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for requests.parquet, summary.csv and predictions.csv.")
+def arithmetic(out: Path) -> None:
+    """Technical note 4's sweep: closed-form hit rates checked against simulation."""
+    try:
+        from kvroute.analysis.arithmetic import run_sweep
+    except ImportError as exc:
+        raise click.ClickException(f"the arithmetic sweep is not available: {exc}") from exc
+    run_sweep(out)
+    click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Manifest to write (JSON).")
+@click.option("--results", default=Path("results"), show_default=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Results folder to scan for simulated, measured and emulated records.")
+@click.option("--config", "config", default=Path("config/config.yaml"), show_default=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Workflow config whose sha256 is recorded.")
+@click.option("--experiments", default=Path("config/experiments"), show_default=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder of experiment files whose sha256 are recorded.")
+@click.option("--tex", type=click.Path(dir_okay=False, path_type=Path), help="Also write the manifest as a LaTeX table (booktabs) here.")
+def manifest(out: Path, results: Path, config: Path, experiments: Path, tex: Path | None) -> None:
+    """Write provenance: commit, package versions, hardware profiles, config hashes, and
+    which results are simulated, measured or emulated."""
+    from kvroute.pipeline import write_manifest
+
+    m = write_manifest(out, tex, results, config, experiments)
+    click.echo(f"wrote {out}: commit {m['git']['commit'][:12]}, {len(m['results'])} result folders "
+               f"({len(m['simulated'])} simulated, {len(m['measured'])} measured, {len(m['emulated'])} emulated)")
 
 
 if __name__ == "__main__":

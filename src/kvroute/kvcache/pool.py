@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+
 
 class BlockPool:
     """Fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens each."""
@@ -39,7 +41,7 @@ class BlockPool:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.ref = [0] * num_blocks
+        self.ref = np.zeros(num_blocks, dtype=np.int32)  # numpy: whole-request updates in C
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
         self._dups: dict[int, list[int]] = {}  # hash -> other blocks carrying it
@@ -48,7 +50,7 @@ class BlockPool:
         self._queue: list[int] = []  # freed blocks, oldest first (lazy: may hold stale entries)
         self._base = 0  # global position of _queue[0]
         self._head = 0  # index in _queue of the next entry to consider
-        self._pos = [-1] * num_blocks  # global position of each block's latest queue entry
+        self._pos = np.full(num_blocks, -1, dtype=np.int64)  # global position of each block's latest entry
         self._num_free = num_blocks
 
     # -- queries -------------------------------------------------------------
@@ -90,8 +92,7 @@ class BlockPool:
 
     def match(self, hashes: Sequence[int]) -> list[int]:
         """Block ids of the cached leading run of a hash chain (no side effects)."""
-        cached = self.cached
-        return [cached[h] for h in hashes[: self.num_cached_blocks(hashes)]]
+        return list(map(self.cached.__getitem__, hashes[: self.num_cached_blocks(hashes)]))
 
     def get_cached_block(self, h: int) -> int | None:
         return self.cached.get(h)
@@ -103,8 +104,9 @@ class BlockPool:
 
     def num_idle(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` sit in the free queue (touching them uses free room)."""
-        ref = self.ref
-        return sum(1 for b in blocks if not ref[b])
+        if not len(blocks):
+            return 0
+        return int(np.count_nonzero(self.ref[np.asarray(blocks)] == 0))
 
     # -- state changes -------------------------------------------------------
     def touch(self, hashes: Sequence[int]) -> list[int]:
@@ -114,14 +116,13 @@ class BlockPool:
         return ids
 
     def touch_blocks(self, blocks: Sequence[int]) -> None:
-        """Take a reference on blocks; idle ones leave the free queue (their entry goes stale)."""
+        """Take a reference on distinct blocks; idle ones leave the free queue (their entry goes stale)."""
+        if not len(blocks):
+            return
+        idx = np.asarray(blocks)
         ref = self.ref
-        idle = 0
-        for b in blocks:
-            if not ref[b]:
-                idle += 1
-            ref[b] += 1
-        self._num_free -= idle
+        self._num_free -= int(np.count_nonzero(ref[idx] == 0))
+        ref[idx] += 1
 
     def get_new_blocks(self, n: int) -> list[int] | None:
         """Allocate ``n`` blocks from the free queue's head, evicting their hashes.
@@ -134,9 +135,8 @@ class BlockPool:
         ref = self.ref
         take = min(n, self.num_blocks - self._fresh)
         out = list(range(self._fresh, self._fresh + take))
+        ref[self._fresh : self._fresh + take] = 1
         self._fresh += take
-        for b in out:
-            ref[b] = 1
         if take < n:
             q, pos, base = self._queue, self._pos, self._base
             i = self._head
@@ -197,24 +197,26 @@ class BlockPool:
                     cached[h] = b
 
     def free_blocks(self, ordered_blocks: Sequence[int]) -> None:
-        """Drop one reference on each block; blocks reaching zero join the queue's tail.
+        """Drop one reference on each of distinct blocks; those reaching zero join the
+        queue's tail in the order given.
 
         Pass a request's blocks in reverse order (tail first) to get vLLM's eviction
         order.
         """
-        ref, pos, q = self.ref, self._pos, self._queue
-        p = self._base + len(q)
-        freed = 0
-        for b in ordered_blocks:
-            ref[b] -= 1
-            if not ref[b]:
-                q.append(b)
-                pos[b] = p
-                p += 1
-                freed += 1
-        self._num_free += freed
-        if len(q) - self._head > 8 * self.num_blocks:
-            self._rebuild()
+        idx = np.fromiter(ordered_blocks, dtype=np.int64)
+        if not idx.size:
+            return
+        ref = self.ref
+        ref[idx] -= 1
+        zero = idx[ref[idx] == 0]
+        if zero.size:
+            q = self._queue
+            p = self._base + len(q)
+            self._pos[zero] = np.arange(p, p + zero.size)
+            q.extend(zero.tolist())
+            self._num_free += int(zero.size)
+            if len(q) - self._head > 8 * self.num_blocks:
+                self._rebuild()
 
     def _rebuild(self) -> None:
         """Rewrite the queue with live entries only (bounds memory when nothing is evicted)."""

@@ -126,7 +126,7 @@ class SimView:
     def matched_tokens(self, worker: str, request: RouteRequest) -> int:
         hashes = request.block_hashes
         if self.exact:
-            n = len(self.c.engines[self._index[worker]].pool.match(hashes))
+            n = self.c.engines[self._index[worker]].pool.num_cached_blocks(hashes)
         else:
             n = self.c.index.match(worker, hashes, self.c.env.now)
         return n * self.block_size

@@ -89,6 +89,7 @@ class Engine:
         self.running: list[EngineRequest] = []
         self.share = 1.0  # set by the cluster when workers time-share a device
         self.now = 0.0  # set by the driver before each plan (stamps admissions)
+        self._has_prefill = False  # set by _schedule: did the step include prompt tokens
         # counters, as vLLM's /metrics exposes them
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -131,8 +132,7 @@ class Engine:
         sched = self._schedule()
         if not sched:  # nothing fits (every block pinned by waiting admissions): should not happen
             raise RuntimeError(f"engine {self.name}: cannot schedule any request")
-        decode_only = all(n == 1 and not r.prefilling for r, n in sched)
-        if decode_only and not self._can_admit():
+        if not self._has_prefill and not self._can_admit():
             k = min(r.output_tokens - r.num_generated for r, _ in sched)
             k = self._steps_with_blocks(sched, k)  # blocks are taken in commit, for steps run
             n = len(sched)
@@ -141,7 +141,7 @@ class Engine:
             return Plan(sched, ends, True)
         n_dec, dec_ctx, prefills = 0, 0, []
         for r, n in sched:
-            if r.prefilling:
+            if r.num_computed < r.prompt_tokens:
                 prefills.append((n, r.num_computed))
             else:
                 n_dec += 1
@@ -228,13 +228,20 @@ class Engine:
 
     def _schedule(self) -> list[tuple[EngineRequest, int]]:
         budget = self.budget
+        bs = self.block_size
         sched: list[tuple[EngineRequest, int]] = []
         preempted = False
+        has_prefill = False
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            r = self.running[i]
-            n = min(r.prompt_tokens - r.num_computed, budget) if r.prefilling else 1
-            while r.num_computed + n > len(r.blocks) * self.block_size and not self._grow(r, r.num_computed + n):
+        while i < len(running) and budget > 0:
+            r = running[i]
+            if r.num_computed < r.prompt_tokens:
+                n = min(r.prompt_tokens - r.num_computed, budget)
+                has_prefill = True
+            else:
+                n = 1
+            while r.num_computed + n > len(r.blocks) * bs and not self._grow(r, r.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -246,6 +253,7 @@ class Engine:
                 i += 1
                 continue
             break  # r itself was preempted
+        self._has_prefill = has_prefill
         if preempted:
             return sched
         pool = self.pool
@@ -274,6 +282,7 @@ class Engine:
             self.waiting.popleft()
             self.running.append(r)
             sched.append((r, n))
+            self._has_prefill = True
             budget -= n
         return sched
 
@@ -286,10 +295,14 @@ class Engine:
         Nothing is allocated here: :meth:`commit` takes the blocks for the steps that
         actually ran, so an interrupted run evicts exactly what single steps would.
         """
+        bs = self.block_size
+
         def need(steps: int) -> int:
-            return sum(max(0, self._blocks_for(r.num_computed + steps) - len(r.blocks)) for r, _ in sched)
+            return sum(max(0, -(-(r.num_computed + steps) // bs) - len(r.blocks)) for r, _ in sched)
 
         free = self.pool.num_free_blocks
+        if len(sched) * (k // bs + 1) <= free:  # cheap bound: each request crosses at most this many
+            return k
         if need(k) > free:
             lo, hi = 1, k  # step 1 is already covered by _schedule
             while lo < hi:

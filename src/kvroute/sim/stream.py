@@ -10,7 +10,7 @@ extended incrementally (the stream only grows), so each block is hashed once.
 
 from __future__ import annotations
 
-from kvroute.kvcache.hashing import ROOT_HASH, block_hash, text_key
+from kvroute.kvcache.hashing import DEFAULT_SEED, ROOT_HASH, block_hash, text_key
 
 SYSTEM, USER, ASSISTANT = 0, 1, 2
 
@@ -51,7 +51,8 @@ class ConversationStream:
             key, length = self.segments[i]
             if off + bs < length:  # the common case: the block lies inside one segment
                 self._seg_off = off + bs
-                self._parent = block_hash(self._parent, (*key, off, off + bs))
+                # inlined block_hash(parent, content): this loop hashes every block once
+                self._parent = hash((DEFAULT_SEED, self._parent, (*key, off, off + bs)))
                 self.hashes.append(self._parent)
                 continue
             content: list[int] = []

@@ -1,0 +1,184 @@
+"""LaTeX tables: booktabs rules, siunitx numbers, escaped text, atomic writes.
+
+A table file holds one bare ``tabular`` (the note wraps it in a ``table`` float and
+writes the caption in prose), so the same file serves any layout. Cells are:
+
+* :class:`Tex` - already LaTeX, written as is (built by :func:`num`, :func:`num_ci`...);
+* ``str`` - plain text, LaTeX-escaped (``cost_aware:alpha=0.25`` stays literal);
+* a number - formatted with :func:`num` (NaN and None become a dash).
+
+The preamble (paper/common/preamble.tex) must load booktabs and siunitx and set
+``uncertainty-mode = separate`` so ``\\num{113.6 \\pm 1.2}`` prints "113.6 ± 1.2".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from kvroute.analysis.stats import Interval
+from kvroute.records import write_atomic
+
+
+class Tex(str):
+    """A string that is already LaTeX (not escaped again)."""
+
+
+#: what a table shows where a value is not given or not measured
+DASH = Tex(r"\textemdash")
+
+_ESCAPES = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+    "<": r"\textless{}",
+    ">": r"\textgreater{}",
+    "|": r"\textbar{}",
+}
+_ESCAPE_RE = re.compile("|".join(re.escape(k) for k in _ESCAPES))
+
+
+def escape(text: object) -> str:
+    """Escape LaTeX's special characters in plain text; :class:`Tex` passes unchanged."""
+    if isinstance(text, Tex):
+        return text
+    return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group(0)], str(text))
+
+
+def _missing(value: object) -> bool:
+    if value is None:
+        return True
+    try:
+        return isinstance(value, float | int) and math.isnan(value)
+    except TypeError:
+        return False
+
+
+def fmt(value: float, digits: int) -> str:
+    """Fixed-point text of ``value`` with ``digits`` decimals (no exponent, no -0)."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if re.fullmatch(r"-0\.?0*", text) else text
+
+
+def num(value: object, digits: int = 1, unit: str | None = None, percent: bool = False) -> Tex:
+    """A number as siunitx LaTeX: ``\\num{v}`` or ``\\qty{v}{unit}``; NaN -> dash.
+
+    Args:
+        value: the number (a fraction when ``percent``).
+        digits: decimals shown.
+        unit: siunitx unit macros, e.g. ``\\milli\\second``.
+        percent: multiply by 100 and print with ``\\percent``.
+    """
+    if _missing(value):
+        return DASH
+    v = float(value) * (100 if percent else 1)
+    unit = r"\percent" if percent else unit
+    text = fmt(v, digits)
+    return Tex(rf"\qty{{{text}}}{{{unit}}}" if unit else rf"\num{{{text}}}")
+
+
+def num_ci(iv: Interval, digits: int = 1, unit: str | None = None, percent: bool = False) -> Tex:
+    """Mean with its interval half-width, ``\\num{m \\pm h}``; one round: the mean alone."""
+    if iv.n == 0 or _missing(iv.mean):
+        return DASH
+    if not iv.has_interval:
+        return num(iv.mean, digits, unit, percent)
+    k = 100 if percent else 1
+    unit = r"\percent" if percent else unit
+    body = rf"{fmt(iv.mean * k, digits)} \pm {fmt(iv.half * k, digits)}"
+    return Tex(rf"\qty{{{body}}}{{{unit}}}" if unit else rf"\num{{{body}}}")
+
+
+def cell(value: object, digits: int = 1) -> str:
+    """LaTeX for one cell (see the module docstring)."""
+    if isinstance(value, Tex):
+        return value
+    if isinstance(value, Interval):
+        return num_ci(value, digits)
+    if _missing(value):
+        return DASH
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return Tex(rf"\num{{{value}}}")
+    if isinstance(value, float):
+        return num(value, digits)
+    return escape(value)
+
+
+def tabular(
+    df: pd.DataFrame,
+    align: str | None = None,
+    digits: int | dict[str, int] = 1,
+    header: Sequence[str] | None = None,
+    groups: Sequence[int] = (),
+) -> str:
+    """A booktabs ``tabular`` of ``df``.
+
+    Args:
+        df: rows and columns as shown; cells per :func:`cell`.
+        align: column spec (default: ``l`` then ``r`` for the rest).
+        digits: decimals for float cells, one number or per column.
+        header: column headings (LaTeX as given when :class:`Tex`, else escaped);
+            default the column names, escaped.
+        groups: row indices before which a ``\\midrule`` separates groups.
+    """
+    ncol = len(df.columns)
+    align = align or ("l" + "r" * (ncol - 1))
+    heads = [escape(h) for h in (header if header is not None else [str(c) for c in df.columns])]
+    if len(heads) != ncol:
+        raise ValueError(f"header has {len(heads)} entries for {ncol} columns")
+    lines = [rf"\begin{{tabular}}{{{align}}}", r"\toprule", " & ".join(heads) + r" \\", r"\midrule"]
+    for i, row in enumerate(df.itertuples(index=False)):
+        if i in groups and i > 0:
+            lines.append(r"\midrule")
+        cells = []
+        for col, v in zip(df.columns, row):
+            d = digits.get(col, 1) if isinstance(digits, dict) else digits
+            cells.append(cell(v, d))
+        lines.append(" & ".join(cells) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}", ""]
+    return "\n".join(lines)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temp file, then rename)."""
+    write_atomic(Path(path), lambda tmp: Path(tmp).write_text(text))
+
+
+def write_table(path: Path, df: pd.DataFrame, **kwargs) -> None:
+    """Write :func:`tabular` of ``df`` to ``path`` atomically; kwargs as :func:`tabular`."""
+    write_text(path, "% generated by kvroute.analysis.tables; do not edit\n" + tabular(df, **kwargs))
+
+
+_POLICY_NAMES = {
+    "round_robin": "round-robin", "least_loaded": "least-loaded", "kv_aware": "KV-aware",
+    "cost_aware": "cost-aware", "hybrid_sticky": "hybrid sticky", "prefix_approx": "prefix (SGLang rule)",
+    "random": "random", "sticky": "sticky", "dynamo": "Dynamo rule", "loadaware": "load-aware",
+}
+_PARAM_TEX = {"alpha": r"$\alpha$", "threshold_ms": "threshold", "beta": r"$\beta$"}
+
+
+def policy_tex(spec: str) -> Tex:
+    """A policy spec as readable LaTeX: ``cost_aware:alpha=0.25`` -> ``cost-aware, $\\alpha$ = 0.25``."""
+    name, _, params = spec.partition(":")
+    text = escape(_POLICY_NAMES.get(name, name))
+    parts = []
+    for kv in filter(None, params.split(",")):
+        k, _, v = kv.partition("=")
+        k = k.strip()
+        unit = r"\,ms" if k.endswith("_ms") else ""
+        sep = " " if k.endswith("_ms") else " = "
+        parts.append(f"{_PARAM_TEX.get(k, escape(k))}{sep}{escape(v.strip())}{unit}")
+    return Tex(text + (", " + ", ".join(parts) if parts else ""))
