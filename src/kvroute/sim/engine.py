@@ -161,7 +161,8 @@ class Engine:
         first, done = [], []
         if plan.decode_only:
             for r, _ in plan.sched:
-                if steps > 1:  # step 1's block was taken by _schedule; plan() checked the rest fit
+                # step 1's block was taken by _schedule; plan() checked the rest fit
+                if steps > 1 and r.num_computed + steps > len(r.blocks) * bs:
                     self._grow(r, r.num_computed + steps)
                 r.num_computed += steps
                 r.num_generated += steps
