@@ -66,11 +66,14 @@ class WorkerDriver:
                 yield env.timeout(float(plan.ends[0]))
                 steps = 1
             else:
-                self._wake = env.event()
-                timer = env.timeout(float(plan.ends[-1]))
-                yield timer | self._wake
+                # one event, succeeded by the run's end or by a wake (an arrival or a
+                # co-located worker's load change), whichever comes first
+                ev = self._wake = env.event()
+                total = float(plan.ends[-1])
+                env.timeout(total).callbacks.append(lambda _t, ev=ev: ev.triggered or ev.succeed())
+                yield ev
                 steps = k
-                if not timer.processed:
+                if env.now < start + total:
                     # finish the step in progress, then re-plan with the newcomer
                     done = int(np.searchsorted(plan.ends, env.now - start, side="right"))
                     steps = min(done + 1, k)
