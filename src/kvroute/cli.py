@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -11,7 +12,24 @@ import click
 from kvroute.experiment import ExperimentError, load_experiment
 
 
-@click.group()
+class LazyGroup(click.Group):
+    """Subcommands whose modules load only when called (the live stack imports aiohttp)."""
+
+    lazy = {
+        "gateway": "kvroute.live.gateway:gateway_command",
+    }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.lazy])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy:
+            module, attr = self.lazy[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup)
 @click.option("-v", "--verbose", is_flag=True, help="Log progress of every run.")
 def main(verbose: bool) -> None:
     """kvroute: where should a router send each turn of a multi-turn chat?"""
@@ -91,15 +109,18 @@ def arithmetic(out: Path) -> None:
               help="Workflow config whose sha256 is recorded.")
 @click.option("--experiments", default=Path("config/experiments"), show_default=True, type=click.Path(file_okay=False, path_type=Path),
               help="Folder of experiment files whose sha256 are recorded.")
-@click.option("--tex", type=click.Path(dir_okay=False, path_type=Path), help="Also write the manifest as a LaTeX table (booktabs) here.")
+@click.option("--tex", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write it as LaTeX here: the provenance appendix the notes \\input (manifest.tex).")
 def manifest(out: Path, results: Path, config: Path, experiments: Path, tex: Path | None) -> None:
     """Write provenance: commit, package versions, hardware profiles, config hashes, and
     which results are simulated, measured or emulated."""
     from kvroute.pipeline import write_manifest
 
     m = write_manifest(out, tex, results, config, experiments)
-    click.echo(f"wrote {out}: commit {m['git']['commit'][:12]}, {len(m['results'])} result folders "
-               f"({len(m['simulated'])} simulated, {len(m['measured'])} measured, {len(m['emulated'])} emulated)")
+    src = m["sources"]
+    click.echo(f"wrote {out}: commit {m['commit'][:12]}, {len(m['results'])} result folders "
+               f"({len(src['simulated'])} simulated, {len(src['measured'])} measured, {len(src['emulated'])} emulated)")
+
 
 
 if __name__ == "__main__":

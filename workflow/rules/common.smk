@@ -1,0 +1,430 @@
+# Setup shared by every rule file. First the config is validated (before anything else),
+# then come the small functions that rule files ask for inputs, parameters and targets.
+# Rule files never walk the config or the experiment files themselves; they call
+# get_* / is_* here.
+#
+# Layout of results/ (see docs/pipeline.md, the contract between stages):
+#   workload/EXP/roundR.parquet                         kvroute workload
+#   sim/EXP/HW/POLICY_SLUG/roundR/{requests.parquet,summary.csv,run.json}   kvroute simulate
+#   sim/EXP/{requests.parquet,summary.csv}              kvroute merge
+#   sim/tn4-arithmetic/{requests.parquet,summary.csv,predictions.csv}       kvroute arithmetic
+#   measure/EXP/HW/{requests.parquet,summary.csv}       kvroute measure (measure.enabled)
+#   analysis/NB.ipynb, figures/NAME/, tables/NAME/, numbers/NAME.tex        papermill
+#   paper/NOTE.pdf (built in build/NOTE/)               latexmk
+#   manifest.json, manifest.tex                         kvroute manifest
+#   logs/, benchmarks/                                  one per job
+
+import functools
+import glob
+import re
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+try:
+    import kvroute.pipeline
+except ImportError:  # kvroute is not installed beside Snakemake: use the source tree
+    sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+from kvroute.pipeline import ARITHMETIC_NAME, config_errors, policy_slug
+
+# Rules call `kvroute`, `papermill` and `latexmk` by name: run Snakemake with the
+# environment's bin/ on PATH (`make paper` does; or `source .venv/bin/activate`), or
+# with `--sdm conda`, which activates envs/*.yaml per rule.
+
+CONFIG_SCHEMA = "../schemas/config.schema.yaml"
+EXPERIMENT_DIR = "config/experiments"
+RESULTS = "results"
+
+
+def _fail(message):
+    raise WorkflowError(f"invalid config: {message}")
+
+
+# ------------------------------------------------------------------ validation (first)
+
+try:
+    validate(config, CONFIG_SCHEMA)  # also fills in the schema's defaults
+except WorkflowError:
+    import yaml
+
+    with open(Path(workflow.current_basedir) / CONFIG_SCHEMA) as _fh:
+        _problems = config_errors(config, yaml.safe_load(_fh))
+    _fail("; ".join(_problems) or "does not match workflow/schemas/config.schema.yaml")
+
+
+def experiment_file(name):
+    return f"{EXPERIMENT_DIR}/{name}.yaml"
+
+
+_EXPERIMENTS = {}
+
+
+def _experiment(name, key):
+    """The experiment ``name``, loaded and validated by kvroute; ``key`` names where the config uses it."""
+    from kvroute.experiment import ExperimentError, load_experiment
+
+    if name not in _EXPERIMENTS:
+        try:
+            _EXPERIMENTS[name] = load_experiment(experiment_file(name))
+        except ExperimentError as exc:
+            _fail(f"key {key}: {exc}")
+    return _EXPERIMENTS[name]
+
+
+def _check_config():
+    """Cross-references the schema cannot express; each error names its key."""
+    experiments = config["experiments"]
+    if ARITHMETIC_NAME in experiments:
+        _fail(f"key experiments: {ARITHMETIC_NAME!r} is reserved for `kvroute arithmetic`")
+    for i, name in enumerate(experiments):
+        _experiment(name, f"experiments.{i}")
+    notebooks = [a["notebook"] for a in config["analyses"]]
+    names = [a["name"] for a in config["analyses"]]
+    for what, values in (("notebook", notebooks), ("name", names)):
+        dup = sorted({v for v in values if values.count(v) > 1})
+        if dup:
+            _fail(f"key analyses: {what} {dup[0]!r} appears twice")
+    for i, a in enumerate(config["analyses"]):
+        for j, sim in enumerate(a["sim"]):
+            if sim not in experiments and sim != ARITHMETIC_NAME:
+                _fail(f"key analyses.{i}.sim.{j}: {sim!r} is neither in `experiments` nor {ARITHMETIC_NAME!r}")
+    notes = [n["name"] for n in config["notes"]]
+    if len(set(notes)) != len(notes):
+        _fail("key notes: a note appears twice")
+    for i, note in enumerate(config["notes"]):
+        for j, nb in enumerate(note["analyses"]):
+            if nb not in notebooks:
+                _fail(f"key notes.{i}.analyses.{j}: unknown notebook {nb!r}; analyses are {', '.join(notebooks)}")
+    if is_measure_enabled():
+        for i, run in enumerate(config["measure"]["runs"]):
+            _experiment(run["experiment"], f"measure.runs.{i}.experiment")
+            _hardware(run["hardware"], f"measure.runs.{i}.hardware")
+
+
+def _hardware(name, key):
+    from kvroute.hardware import load_hardware
+
+    try:
+        return load_hardware(name)
+    except ValueError as exc:
+        _fail(f"key {key}: {exc}")
+
+
+def is_measure_enabled():
+    return bool(config["measure"]["enabled"])
+
+
+def _alternation(names):
+    """A wildcard regex matching exactly ``names`` (nothing when empty)."""
+    return "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) or "(?!)"
+
+
+_check_config()
+
+wildcard_constraints:
+    exp=_alternation(config["experiments"]),
+    hardware=r"[A-Za-z0-9_.-]+",
+    policy=r"[A-Za-z0-9_.+-]+",
+    round=r"\d+",
+    note=_alternation(n["name"] for n in config["notes"]),
+
+
+# ------------------------------------------------------------------ paths from a job's files
+# Shell commands take folders from the job's own input and output paths, never from a
+# hard-coded results/, so they still work where a storage plugin rewrites those paths
+# (executors without a shared file system, such as kubernetes).
+
+
+def output_dir(key, up=1):
+    """A params function: the folder ``up`` levels above output ``key``."""
+
+    def fn(wildcards, output):
+        return str(Path(getattr(output, key)).parents[up - 1])
+
+    return fn
+
+
+def scratch_for(key):
+    """A params function: a hidden scratch folder beside output ``key`` (same file system, so a move is atomic)."""
+
+    def fn(wildcards, output):
+        path = Path(getattr(output, key))
+        return str(path.parent / f".{path.stem}.tmp")
+
+    return fn
+
+
+def input_dirs(key):
+    """A params function: the folder of each file of input ``key``."""
+
+    def fn(wildcards, input):
+        return [str(Path(p).parent) for p in getattr(input, key)]
+
+    return fn
+
+
+def input_dir(key, up=1):
+    """A params function: the folder ``up`` levels above input ``key``."""
+
+    def fn(wildcards, input):
+        return str(Path(getattr(input, key)).parents[up - 1])
+
+    return fn
+
+
+# ------------------------------------------------------------------ source files
+# Code a stage's results depend on: editing it reruns that stage (and what follows).
+
+
+def _sources(*patterns):
+    return sorted({p for pat in patterns for p in glob.glob(pat)})
+
+
+WORKLOAD_SOURCES = _sources("src/kvroute/workload/*.py", "src/kvroute/experiment.py")
+SIM_SOURCES = _sources(
+    "src/kvroute/sim/*.py", "src/kvroute/kvcache/*.py", "src/kvroute/costmodel.py",
+    "src/kvroute/hardware.py", "src/kvroute/policies/*.py", "src/kvroute/workload/*.py",
+    "src/kvroute/records.py",
+)
+ARITHMETIC_SOURCES = SIM_SOURCES + _sources("src/kvroute/analysis/arithmetic*.py")
+LIVE_SOURCES = SIM_SOURCES + _sources("src/kvroute/live/*.py")
+MANIFEST_SOURCES = _sources("src/kvroute/pipeline.py")
+ANALYSIS_SOURCES = _sources("src/kvroute/analysis/*.py")  # what the notebooks import
+
+
+# ------------------------------------------------------------------ workload and simulate
+
+
+def get_experiments():
+    return list(config["experiments"])
+
+
+def get_experiment_files():
+    """Every experiment file (the manifest hashes them all)."""
+    return sorted(glob.glob(f"{EXPERIMENT_DIR}/*.yaml"))
+
+
+def get_all_hardware_files():
+    return sorted(glob.glob("hardware/*.yaml"))
+
+
+def get_workload_inputs(wildcards):
+    """The experiment file, and the trace it replays when it names one."""
+    exp = _experiment(wildcards.exp, "experiments")
+    files = {"experiment": experiment_file(wildcards.exp), "sources": WORKLOAD_SOURCES}
+    if "trace" in exp.workload:
+        files["replayed"] = exp.workload["trace"]
+    return files
+
+
+def get_hardware_files(wildcards):
+    return [f"hardware/{wildcards.hardware}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"]
+
+
+@functools.cache
+def _sim_jobs(name):
+    """{(hardware, policy slug, round): policy spec} for every simulation job of experiment ``name``."""
+    jobs = {}
+    for run in _experiment(name, "experiments").expand():
+        try:
+            slug = policy_slug(run.policy)
+        except ValueError as exc:
+            _fail(f"experiment {experiment_file(name)}: {exc}")
+        key = (run.hardware, slug, run.round)
+        if key in jobs and jobs[key] != run.policy:
+            _fail(f"experiment {experiment_file(name)}: policies {jobs[key]!r} and {run.policy!r} share the folder name {slug!r}")
+        jobs[key] = run.policy
+    return jobs
+
+
+def sim_job_dir(exp, hardware, slug, round_):
+    return f"{RESULTS}/sim/{exp}/{hardware}/{slug}/round{round_}"
+
+
+def get_sim_job_count(name=None):
+    """Number of simulate jobs: of experiment ``name``, or of every configured experiment."""
+    names = [name] if name else get_experiments()
+    return sum(len(_sim_jobs(n)) for n in names)
+
+
+def get_policy_spec(wildcards):
+    key = (wildcards.hardware, wildcards.policy, int(wildcards.round))
+    try:
+        return _sim_jobs(wildcards.exp)[key]
+    except KeyError:
+        raise WorkflowError(f"experiment {wildcards.exp} has no job for hardware {key[0]}, policy {key[1]}, round {key[2]}")
+
+
+def get_sim_job_dirs(wildcards):
+    return [sim_job_dir(wildcards.exp, *key) for key in sorted(_sim_jobs(wildcards.exp))]
+
+
+def get_merge_inputs(wildcards):
+    dirs = get_sim_job_dirs(wildcards)
+    return {"requests": [f"{d}/requests.parquet" for d in dirs], "summaries": [f"{d}/summary.csv" for d in dirs]}
+
+
+def sim_result(name):
+    """The merged result files of ``name`` (an experiment, or tn4-arithmetic)."""
+    base = f"{RESULTS}/sim/{name}"
+    files = [f"{base}/requests.parquet", f"{base}/summary.csv"]
+    if name == ARITHMETIC_NAME:
+        files.append(f"{base}/predictions.csv")
+    return files
+
+
+def is_arithmetic_used():
+    return any(ARITHMETIC_NAME in a["sim"] for a in config["analyses"])
+
+
+# ------------------------------------------------------------------ measure
+
+
+def get_measure_runs():
+    """(experiment, hardware) pairs to measure; none while measure.enabled is false."""
+    if not is_measure_enabled():
+        return []
+    return [(r["experiment"], r["hardware"]) for r in config["measure"]["runs"]]
+
+
+def measure_result(exp, hardware):
+    base = f"{RESULTS}/measure/{exp}/{hardware}"
+    return [f"{base}/requests.parquet", f"{base}/summary.csv"]
+
+
+def is_cpu_hardware(name):
+    return _hardware(name, "measure.runs").engine.kind.endswith("cpu")
+
+
+def get_measure_hardware(cpu):
+    """Measured hardware names that run on CPUs (``cpu=True``) or on GPUs."""
+    return sorted({hw for _, hw in get_measure_runs() if is_cpu_hardware(hw) == cpu})
+
+
+def get_measure_gpus(wildcards):
+    """GPUs a measurement asks the executor for: the profile's GPU count."""
+    return _hardware(wildcards.mhw, "measure.runs").gpus
+
+
+def get_measure_experiment(wildcards):
+    return experiment_file(wildcards.mexp)
+
+
+def get_measure_hardware_files(wildcards):
+    return [f"hardware/{wildcards.mhw}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"]
+
+
+# ------------------------------------------------------------------ analyse
+
+
+def get_analyses():
+    return list(config["analyses"])
+
+
+def _analysis(notebook):
+    for a in config["analyses"]:
+        if a["notebook"] == notebook:
+            return a
+    raise WorkflowError(f"no analysis for notebook {notebook!r}")
+
+
+def get_analysis_inputs(notebook):
+    """Inputs of a notebook's rule: the notebook, the results it reads, its other files."""
+    a = _analysis(notebook)
+    extra = []
+    for pattern in a["inputs"]:
+        if glob.has_magic(pattern):
+            extra += sorted(glob.glob(pattern))
+        else:
+            extra.append(pattern)
+    return {
+        "notebook": f"notebooks/{notebook}.ipynb",
+        "code": ANALYSIS_SOURCES,
+        "sim": [f for name in a["sim"] for f in sim_result(name)],
+        "measure": [f for exp, hw in get_measure_runs() if exp in a["measure"] for f in measure_result(exp, hw)],
+        "extra": extra,
+    }
+
+
+def get_analysis_outputs(notebook):
+    """Relative to results/: what the notebook must write under out_dir."""
+    a = _analysis(notebook)
+    return [f"figures/{a['name']}", f"tables/{a['name']}", f"numbers/{a['name']}.tex", *a["outputs"]]
+
+
+def analysis_output_files(notebook):
+    """Named outputs of a notebook's rule (figures and tables are folders)."""
+    a = _analysis(notebook)
+    return {
+        "executed": f"{RESULTS}/analysis/{notebook}.ipynb",
+        "figures": directory(f"{RESULTS}/figures/{a['name']}"),
+        "tables": directory(f"{RESULTS}/tables/{a['name']}"),
+        "numbers": f"{RESULTS}/numbers/{a['name']}.tex",
+        "extra": [f"{RESULTS}/{p}" for p in a["outputs"]],
+    }
+
+
+def get_analysis_products(notebook, kinds=("figures", "tables", "numbers", "extra")):
+    """An analysis's products as plain paths, for rules that use them."""
+    a = _analysis(notebook)
+    out = {
+        "figures": [f"{RESULTS}/figures/{a['name']}"],
+        "tables": [f"{RESULTS}/tables/{a['name']}"],
+        "numbers": [f"{RESULTS}/numbers/{a['name']}.tex"],
+        "extra": [f"{RESULTS}/{p}" for p in a["outputs"]],
+    }
+    return [p for k in kinds for p in out[k]]
+
+
+# ------------------------------------------------------------------ notes
+
+
+def _note(name):
+    for n in config["notes"]:
+        if n["name"] == name:
+            return n
+    raise WorkflowError(f"no note {name!r} in config")
+
+
+#: what LaTeX leaves beside a source when someone runs it in paper/ by hand: never an input
+_LATEX_AUX = re.compile(r"(\.(aux|log|fls|fdb_latexmk|out|toc|bbl|blg|lof|lot|nav|snm|synctex\.gz)|/main\.pdf)$")
+
+
+def get_note_sources(wildcards):
+    """The note's own files and the shared paper/common/ (found when the DAG is built)."""
+    files = [f"paper/{wildcards.note}/main.tex"]
+    for folder in (f"paper/{wildcards.note}", "paper/common"):
+        files += [p for p in glob.glob(f"{folder}/**", recursive=True) if Path(p).is_file() and not _LATEX_AUX.search(p)]
+    return sorted(set(files))
+
+
+def get_note_products(wildcards):
+    """Figures, tables and numbers of the analyses the note uses."""
+    return [p for nb in _note(wildcards.note)["analyses"] for p in get_analysis_products(nb)]
+
+
+# ------------------------------------------------------------------ targets
+
+
+def get_sim_targets():
+    names = get_experiments() + ([ARITHMETIC_NAME] if is_arithmetic_used() else [])
+    return [f for name in names for f in sim_result(name)]
+
+
+def get_measure_targets():
+    return [f for exp, hw in get_measure_runs() for f in measure_result(exp, hw)]
+
+
+def get_figure_targets():
+    return [p for a in get_analyses() for p in get_analysis_products(a["notebook"], ("figures",))]
+
+
+def get_table_targets():
+    tables = [p for a in get_analyses() for p in get_analysis_products(a["notebook"], ("tables", "numbers", "extra"))]
+    return tables + [f"{RESULTS}/manifest.tex"]
+
+
+def get_paper_targets():
+    return [f"{RESULTS}/paper/{n['name']}.pdf" for n in config["notes"]] + [f"{RESULTS}/manifest.json"]

@@ -1,0 +1,60 @@
+# Stage 3, measure: live runs of the live stack (`kvroute measure`: engines up, gateway up,
+# load, engines down). Included only when measure.enabled is true (see the Snakefile).
+# Two rules, so executors can place them: GPU profiles ask for the profile's GPU count as
+# the `gpu` resource (slurm: --gpus; kubernetes: nvidia.com/gpu), CPU profiles (vLLM's CPU
+# build) ask for cores only. Both are single jobs per experiment x hardware: a measurement
+# owns its machine while it runs.
+
+
+rule measure_gpu:
+    input:
+        experiment=get_measure_experiment,
+        hardware=get_measure_hardware_files,
+        sources=LIVE_SOURCES,
+    output:
+        requests="results/measure/{mexp}/{mhw}/requests.parquet",
+        summary="results/measure/{mexp}/{mhw}/summary.csv",
+    wildcard_constraints:
+        mhw=_alternation(get_measure_hardware(cpu=False)),
+    params:
+        out=output_dir("requests"),
+    threads: 8
+    resources:
+        gpu=get_measure_gpus,
+        gpu_manufacturer="nvidia",
+        mem_mb=64000,
+        runtime=240,
+    log:
+        "results/logs/measure/{mexp}/{mhw}.log",
+    benchmark:
+        "results/benchmarks/measure/{mexp}/{mhw}.tsv"
+    conda:
+        "../../envs/engine-gpu.yaml"
+    shell:
+        "kvroute measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} > {log:q} 2>&1"
+
+
+rule measure_cpu:
+    input:
+        experiment=get_measure_experiment,
+        hardware=get_measure_hardware_files,
+        sources=LIVE_SOURCES,
+    output:
+        requests="results/measure/{mexp}/{mhw}/requests.parquet",
+        summary="results/measure/{mexp}/{mhw}/summary.csv",
+    wildcard_constraints:
+        mhw=_alternation(get_measure_hardware(cpu=True)),
+    params:
+        out=output_dir("requests"),
+    threads: 4
+    resources:
+        mem_mb=12000,
+        runtime=60,
+    log:
+        "results/logs/measure/{mexp}/{mhw}.log",
+    benchmark:
+        "results/benchmarks/measure/{mexp}/{mhw}.tsv"
+    conda:
+        "../../envs/engine-cpu.yaml"
+    shell:
+        "kvroute measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} > {log:q} 2>&1"

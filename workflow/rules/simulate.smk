@@ -1,0 +1,66 @@
+# Stage 2, simulate: one job per experiment x hardware x policy x round (so --cores N and
+# a cluster run them in parallel), one merge per experiment, and technical note 4's sweep.
+# Inputs include the simulator's source files: editing the simulator reruns simulations,
+# editing a notebook or a note does not.
+
+
+rule simulate:
+    input:
+        experiment="config/experiments/{exp}.yaml",
+        trace=rules.workload.output.trace,
+        hardware=get_hardware_files,
+        sources=SIM_SOURCES,
+    output:
+        requests="results/sim/{exp}/{hardware}/{policy}/round{round}/requests.parquet",
+        summary="results/sim/{exp}/{hardware}/{policy}/round{round}/summary.csv",
+        meta="results/sim/{exp}/{hardware}/{policy}/round{round}/run.json",
+    params:
+        spec=get_policy_spec,
+        out=output_dir("requests"),
+    log:
+        "results/logs/simulate/{exp}/{hardware}/{policy}/round{round}.log",
+    benchmark:
+        "results/benchmarks/simulate/{exp}/{hardware}/{policy}/round{round}.tsv"
+    conda:
+        "../../envs/simulation.yaml"
+    shell:
+        "kvroute simulate {input.experiment:q} --trace {input.trace:q} --hardware {wildcards.hardware:q}"
+        " --policy {params.spec:q} --round {wildcards.round} --out {params.out:q} > {log:q} 2>&1"
+
+
+rule merge:
+    input:
+        unpack(get_merge_inputs),
+    output:
+        requests="results/sim/{exp}/requests.parquet",
+        summary="results/sim/{exp}/summary.csv",
+    params:
+        dirs=input_dirs("requests"),
+        out=output_dir("requests"),
+    log:
+        "results/logs/merge/{exp}.log",
+    benchmark:
+        "results/benchmarks/merge/{exp}.tsv"
+    conda:
+        "../../envs/simulation.yaml"
+    shell:
+        "kvroute merge --out {params.out:q} {params.dirs:q} > {log:q} 2>&1"
+
+
+rule arithmetic:
+    input:
+        sources=ARITHMETIC_SOURCES,
+    output:
+        requests=f"results/sim/{ARITHMETIC_NAME}/requests.parquet",
+        summary=f"results/sim/{ARITHMETIC_NAME}/summary.csv",
+        predictions=f"results/sim/{ARITHMETIC_NAME}/predictions.csv",
+    params:
+        out=output_dir("requests"),
+    log:
+        "results/logs/arithmetic.log",
+    benchmark:
+        "results/benchmarks/arithmetic.tsv"
+    conda:
+        "../../envs/simulation.yaml"
+    shell:
+        "kvroute arithmetic --out {params.out:q} > {log:q} 2>&1"
