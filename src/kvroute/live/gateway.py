@@ -1,0 +1,712 @@
+"""The live gateway: an asyncio HTTP proxy that routes with kvroute's policies.
+
+::
+
+    client ──POST /v1/chat/completions──► Gateway ──(same bytes)──► worker (engine)
+             ◄── chunks as they arrive ──   │  ◄── SSE chunks ──────
+                 + X-Worker                 │
+                    parse JSON, digest text (prefix.py) ─► RouteRequest
+                    sessions.get (memory, then Redis) ─► view (view.py)
+                    policy.choose(request, view)   (synchronous, no I/O)
+                    record: session table (queued Redis write), approximate index
+
+The policy objects are those of :mod:`kvroute.policies` (``make_policy(spec, rng)``
+once per gateway); the gateway fills their :class:`~kvroute.live.view.GatewayView`
+from its own counters. Responses are relayed as they arrive (``iter_any``: each chunk
+written to the client as soon as it is read), non-streamed responses whole.
+
+Failures: a worker that refuses a connection is marked down (new requests avoid it)
+and the request is retried once on another up worker, as is any request that failed
+before a byte reached the client; a background probe (GET /health every
+``health_interval_s``) marks workers down and up. A failure after bytes reached the
+client aborts the client's connection, so the client sees an incomplete response,
+never a truncated one that looks whole. Redis being down only costs the sharing of
+sessions (see :mod:`kvroute.live.sessions`).
+
+Sockets: aiohttp sets TCP_NODELAY on every connection it makes or accepts
+(``BaseProtocol.connection_made`` -> ``tcp_nodelay(transport, True)``, aiohttp 3.14,
+both the server's ``RequestHandler`` and the client's ``ResponseHandler``), and so does
+uvloop; the gateway sets it explicitly as well, on its listening socket (accepted
+sockets inherit it on Linux) and through the client connector's ``socket_factory``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import signal
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from time import perf_counter
+
+import aiohttp
+import click
+import numpy as np
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from yarl import URL
+
+from kvroute.live.prefix import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    DEFAULT_BLOCK_CHARS,
+    DEFAULT_CHARS_PER_TOKEN,
+    PrefixHasher,
+    PromptError,
+)
+from kvroute.live.sessions import SessionStore
+from kvroute.live.view import (
+    DEFAULT_DECODE_S_PER_RUNNING,
+    DEFAULT_PREFILL_S_PER_TOKEN,
+    ExcludingView,
+    Flight,
+    GatewayView,
+)
+from kvroute.policies import NoWorkerUpError, make_policy
+from kvroute.policies.base import RouteRequest
+
+log = logging.getLogger(__name__)
+
+WORKER_HEADER = "X-Worker"
+SESSION_HEADER = "X-Session-ID"
+# hop-by-hop headers (RFC 9110 7.6.1) and those aiohttp recomputes
+_DROP_REQUEST = frozenset(
+    h.lower()
+    for h in ("Host", "Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding",
+              "TE", "Trailer", "Upgrade", "Proxy-Authorization", "Proxy-Connection")
+)
+_DROP_RESPONSE = frozenset(
+    h.lower()
+    for h in ("Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding", "TE",
+              "Trailer", "Upgrade", "Date", "Server")
+)
+_LATENCY_BUCKETS = (
+    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0
+)
+
+
+def parse_worker(spec: str) -> tuple[str, str]:
+    """``URL`` or ``NAME=URL`` -> ``(name, url)``; the name defaults to the URL.
+
+    Raises ValueError for a URL that is not ``http://host:port``-like.
+    """
+    name, eq, url = spec.partition("=")
+    if not eq:
+        name, url = spec, spec
+    url = url.strip().rstrip("/")
+    name = name.strip().rstrip("/") if eq else url
+    if not url.startswith(("http://", "https://")) or "//" not in url or not name:
+        raise ValueError(f"worker {spec!r}: expected URL or NAME=URL with an http(s):// URL")
+    return name, url
+
+
+def _nodelay_socket(addr_info) -> socket.socket:
+    """Client socket factory for the connector: TCP_NODELAY set explicitly."""
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    if family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket with TCP_NODELAY (inherited by accepted sockets on Linux)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, type_, proto, _, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(addr)
+        sock.listen(1024)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _RelayResponse(web.StreamResponse):
+    """A StreamResponse whose head is sent with its first chunk (one write, not two).
+
+    aiohttp's ``StreamResponse`` sends the head at ``prepare``; ``Response`` buffers it
+    (``_send_headers_immediately``). The relay prepares only once the first chunk is
+    in hand, so buffering delays nothing and saves a send per response.
+    """
+
+    _send_headers_immediately = False
+
+
+class _UpstreamFailed(Exception):
+    """An attempt failed before any byte reached the client (so it may be retried)."""
+
+    def __init__(self, kind: str, cause: BaseException, refused: bool) -> None:
+        super().__init__(f"{kind}: {cause!r}")
+        self.kind = kind
+        self.refused = refused
+
+
+@dataclass(slots=True)
+class _Attempt:
+    response: aiohttp.ClientResponse
+    streaming: bool
+    first: bytes  # streaming: the first chunk read; otherwise the whole body
+    t_headers: float
+
+
+class _StateCollector:
+    """Gauges read from the gateway's counters at scrape time (no request-path cost)."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        gw = self.gw
+        redis = GaugeMetricFamily(
+            "kvroute_gateway_redis_up", "1 while the shared session store (Redis) answers; "
+            "0 when it is down or not configured (routing from memory)"
+        )
+        redis.add_metric([], 1.0 if gw.sessions.redis_up else 0.0)
+        yield redis
+        families = {
+            "worker_up": ("1 while the worker is up (answers connections / health)", lambda s: s.up),
+            "in_flight": ("requests routed to the worker and not finished", lambda s: s.in_flight),
+            "waiting": ("in-flight requests with no response byte yet", lambda s: s.in_flight - s.running),
+            "active_blocks": ("estimated KV blocks of in-flight requests", lambda s: s.active_blocks),
+            "index_blocks": ("blocks in the worker's approximate prefix index",
+                             lambda s: gw.view.index.size(s.name)),
+        }
+        for name, (doc, get) in families.items():
+            fam = GaugeMetricFamily(f"kvroute_gateway_{name}", doc, labels=["worker"])
+            for s in gw.view.state.values():
+                fam.add_metric([s.name], float(get(s)))
+            yield fam
+
+
+class Gateway:
+    """One gateway: policy, view, session store, HTTP server and client.
+
+    Args:
+        workers: worker specs (``URL`` or ``NAME=URL``) or ``(name, url)`` pairs.
+        policy: policy spec (``kvroute.policies.make_policy``).
+        seed: seed of the policy's rng.
+        redis_url: shared session store; ``None`` keeps sessions in memory only.
+        session_ttl_s: session table TTL.
+        block_chars / chars_per_token: the prefix hasher (see :mod:`kvroute.live.prefix`).
+        prefill_s_per_token / decode_s_per_running: the view's delay estimates.
+        health_interval_s: period of the workers' GET /health probe.
+        connect_timeout_s: upstream connect timeout (a refused connect fails at once).
+        read_timeout_s: longest silence from an upstream before the request fails.
+        index_ttl_s / index_capacity_blocks: the approximate prefix index's bounds.
+        session_kwargs: extra :class:`SessionStore` arguments (tests).
+
+    Use ``await start(host, port)`` / ``await stop()`` inside a running loop, or
+    :func:`run_gateway` from a command line.
+    """
+
+    def __init__(
+        self,
+        workers: Sequence[str | tuple[str, str]],
+        policy: str,
+        *,
+        seed: int = 0,
+        redis_url: str | None = None,
+        session_ttl_s: float = 3600.0,
+        block_chars: int = DEFAULT_BLOCK_CHARS,
+        chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
+        prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN,
+        decode_s_per_running: float = DEFAULT_DECODE_S_PER_RUNNING,
+        health_interval_s: float = 1.0,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float | None = 600.0,
+        index_ttl_s: float = 120.0,
+        index_capacity_blocks: int | None = None,
+        session_kwargs: dict | None = None,
+    ) -> None:
+        pairs = [parse_worker(w) if isinstance(w, str) else tuple(w) for w in workers]
+        self.policy = make_policy(policy, np.random.default_rng(seed))
+        self.hasher = PrefixHasher(block_chars, chars_per_token)
+        self.sessions = SessionStore(redis_url, ttl_s=session_ttl_s, **(session_kwargs or {}))
+        self.view = GatewayView(
+            pairs,
+            self.hasher.block_tokens,
+            self.sessions.peek,
+            prefill_s_per_token=prefill_s_per_token,
+            decode_s_per_running=decode_s_per_running,
+            index_ttl_s=index_ttl_s,
+            index_capacity_blocks=index_capacity_blocks,
+        )
+        self.health_interval_s = health_interval_s
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._ids = itertools.count()
+        self._urls: dict[tuple[str, str], URL] = {}
+        self._client: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.host: str | None = None
+        self.port: int | None = None
+
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "kvroute_gateway_requests", "requests answered, by worker and status "
+            "(HTTP status, or upstream_aborted / client_disconnected)",
+            ["worker", "status"], registry=self.registry,
+        )
+        self._failures = Counter(
+            "kvroute_gateway_upstream_failures", "attempts that failed before a byte reached the "
+            "client (connect, send, read), by worker; the first of a request is retried elsewhere",
+            ["worker", "kind"], registry=self.registry,
+        )
+        self._decision = Histogram(
+            "kvroute_gateway_decision_seconds", "time of one routing decision "
+            "(view snapshot, policy.choose, recording)", buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._added = Histogram(
+            "kvroute_gateway_added_latency_seconds", "gateway time on a request's path "
+            "outside the upstream exchange: parsing, session lookup, decision, bookkeeping "
+            "before the upstream request, plus relaying the response head (and first chunk)",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(_StateCollector(self))
+        self._counter_children: dict[tuple[str, str], object] = {}
+
+        self.app = web.Application(client_max_size=64 * 2**20)
+        self.app.router.add_post(CHAT_PATH, self._proxy)
+        self.app.router.add_post(COMPLETIONS_PATH, self._proxy)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/metrics", self._metrics)
+        self.app.router.add_get("/v1/models", self._models)
+
+    # -- lifecycle -------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Connect the session store, start the probe and listen on ``host:port``."""
+        await self.sessions.start()
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=60.0,
+            socket_factory=_nodelay_socket, ttl_dns_cache=None,
+        )
+        self._client = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
+            ),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        sock = listen_socket(host, port)
+        self.host, self.port = host, sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
+        self._tasks.append(asyncio.create_task(self._probe_loop(), name="gateway-health-probe"))
+        log.info(
+            "gateway on %s: policy %s, workers %s, redis %s",
+            self.url, self.policy.spec, [s.url for s in self.view.state.values()],
+            self.sessions.redis_url or "off",
+        )
+
+    async def stop(self) -> None:
+        """Stop listening, the probe, the client and the session store."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        await self.sessions.close()
+
+    # -- helpers ---------------------------------------------------------------------
+    def _count(self, worker: str, status: str) -> None:
+        key = (worker, status)
+        child = self._counter_children.get(key)
+        if child is None:
+            child = self._counter_children[key] = self._requests.labels(worker, status)
+        child.inc()
+
+    def _error(self, status: int, message: str, kind: str, worker: str | None = None) -> web.Response:
+        self._count(worker or "", str(status))
+        headers = {WORKER_HEADER: worker} if worker else None
+        return web.json_response(
+            {"error": {"message": message, "type": kind, "code": status}},
+            status=status, headers=headers,
+        )
+
+    def _decide(self, req: RouteRequest, known_session: bool, view=None) -> tuple[str, int]:
+        """Choose a worker and record the decision; returns ``(worker, matched tokens)``."""
+        t = perf_counter()
+        gv = self.view
+        gv.snapshot()
+        worker = self.policy.choose(req, view or gv)
+        matched = gv.matched_tokens(worker, req)
+        gv.record(worker, req)
+        if known_session:
+            self.sessions.set(req.session_id, worker)
+        self._decision.observe(perf_counter() - t)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "route %s session=%s turn=%d -> %s matched=%d/%d policy=%s",
+                req.request_id, req.session_id, req.turn, worker, matched,
+                req.prompt_tokens, self.policy.spec,
+            )
+        return worker, matched
+
+    def _mark_down(self, worker: str, why: object) -> None:
+        if self.view.mark_down(worker):
+            log.warning("worker %s is down (%s): new requests go elsewhere", worker, why)
+
+    def _mark_up(self, worker: str) -> None:
+        if self.view.mark_up(worker):
+            log.warning("worker %s is up again", worker)
+
+    async def _attempt(self, worker: str, path: str, body: bytes, headers: dict, stream_hint: bool) -> _Attempt:
+        """Send the request; read the head and the first chunk (or the whole body).
+
+        Raises :class:`_UpstreamFailed` for any failure before a byte is relayed.
+        """
+        url = self._urls.get((worker, path))
+        if url is None:  # parse each worker's URL once, not per request
+            url = self._urls[(worker, path)] = URL(self.view.state[worker].url + path)
+        try:
+            resp = await self._client.request("POST", url, data=body, headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            raise _UpstreamFailed("connect", exc, refused=True) from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise _UpstreamFailed("send", exc, refused=False) from exc
+        t_headers = perf_counter()
+        ctype = resp.headers.get("Content-Type", "")
+        streaming = ctype.startswith("text/event-stream") or (
+            stream_hint and "Content-Length" not in resp.headers
+        )
+        try:
+            if streaming:
+                first = await resp.content.readany()
+            else:
+                first = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            resp.close()
+            raise _UpstreamFailed("read", exc, refused=False) from exc
+        return _Attempt(resp, streaming, first, t_headers)
+
+    # -- handlers --------------------------------------------------------------------
+    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+        t0 = perf_counter()
+        body = await request.read()
+        if not body:
+            return self._error(400, "missing request body: send a JSON object", "missing_body")
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return self._error(400, f"malformed JSON in request body: {exc}", "malformed_json")
+        if not isinstance(payload, dict):
+            return self._error(
+                400, f"request body must be a JSON object, got {type(payload).__name__}",
+                "invalid_request_error",
+            )
+        path = request.path
+        try:
+            digest = self.hasher.digest(path, payload)
+        except PromptError as exc:
+            return self._error(400, str(exc), "invalid_request_error")
+        sid = request.headers.get(SESSION_HEADER)
+        if not sid:
+            user = payload.get("user")
+            sid = user if isinstance(user, str) and user else None
+        rid = f"g{next(self._ids)}"
+        known = sid is not None
+        if known:
+            await self.sessions.get(sid)  # memory, else Redis: fills what view.session_worker reads
+        else:
+            sid = f"anon-{rid}"  # the policy sees a fresh session per request
+        req = RouteRequest(rid, sid, digest.turn, digest.prompt_tokens, digest.block_hashes, digest.text)
+        try:
+            worker, matched = self._decide(req, known)
+        except NoWorkerUpError as exc:
+            return self._error(503, str(exc), "no_worker_up")
+
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        stream_hint = payload.get("stream") is True
+        flight = self.view.begin(worker, req, matched)
+        t_pre = perf_counter() - t0
+        tried: list[str] = []
+        attempt: _Attempt | None = None
+        while attempt is None:
+            try:
+                attempt = await self._attempt(worker, path, body, headers, stream_hint)
+            except _UpstreamFailed as exc:
+                self.view.finish(flight)
+                tried.append(worker)
+                self._failures.labels(worker, exc.kind).inc()
+                if exc.refused:
+                    self._mark_down(worker, exc)
+                if len(tried) == 2:
+                    return self._error(
+                        502, f"workers {tried} failed before answering (last: {exc})",
+                        "upstream_failed", worker,
+                    )
+                try:
+                    worker, matched = self._decide(req, known, ExcludingView(self.view, tried))
+                except NoWorkerUpError:
+                    return self._error(
+                        502, f"worker {worker} failed before answering ({exc}) and no other "
+                        "worker is up", "upstream_failed", worker,
+                    )
+                log.info("retrying %s on %s after %s", rid, worker, exc)
+                flight = self.view.begin(worker, req, matched)
+        try:
+            return await self._relay(request, attempt, worker, flight, t_pre)
+        finally:
+            self.view.finish(flight)
+
+    async def _relay(
+        self, request: web.Request, a: _Attempt, worker: str, flight: Flight, t_pre: float
+    ) -> web.StreamResponse:
+        up = a.response
+        self.view.first_byte(flight)
+        headers = {k: v for k, v in up.headers.items() if k.lower() not in _DROP_RESPONSE}
+        headers[WORKER_HEADER] = worker
+        status = str(up.status)
+        if not a.streaming:
+            up.release()
+            resp = web.Response(body=a.first, status=up.status, headers=headers)
+            self._added.observe(t_pre + perf_counter() - a.t_headers)
+            self._count(worker, status)
+            return resp
+        resp = _RelayResponse(status=up.status, headers=headers)
+        view = self.view
+        content = up.content
+        chunk = a.first
+        first = True
+        try:
+            await resp.prepare(request)  # the head goes out with the first chunk
+            while True:
+                if not chunk:  # upstream's end
+                    await resp.write_eof()
+                    break
+                last = content.at_eof()  # upstream already ended: one write with the end
+                if last:
+                    await resp.write_eof(chunk)
+                else:
+                    await resp.write(chunk)
+                if first:
+                    self._added.observe(t_pre + perf_counter() - a.t_headers)
+                    first = False
+                view.add_output(flight, chunk.count(b"data:"))
+                if last:
+                    break
+                try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                    # bytes already reached the client: abort its connection so it
+                    # sees an incomplete response, not a clean end
+                    log.warning("worker %s failed mid-response on %s: %r", worker, request.path, exc)
+                    self._count(worker, "upstream_aborted")
+                    up.close()
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp
+        except ConnectionResetError:
+            self._count(worker, "client_disconnected")
+            up.close()  # drop the upstream connection: the engine aborts the request
+            return resp
+        except asyncio.CancelledError:
+            self._count(worker, "client_disconnected")
+            up.close()
+            raise
+        up.release()
+        self._count(worker, status)
+        return resp
+
+    async def _health(self, request: web.Request) -> web.Response:
+        v = self.view
+        workers = {
+            s.name: {
+                "url": s.url,
+                "up": s.up,
+                "in_flight": s.in_flight,
+                "waiting": s.in_flight - s.running,
+                "active_blocks": s.active_blocks,
+                "queue_delay_s": v.queue_delay_s(s.name),
+                "index_blocks": v.index.size(s.name),
+                "routed": s.routed,
+            }
+            for s in v.state.values()
+        }
+        up = any(s.up for s in v.state.values())
+        body = {
+            "status": "ok" if up else "no_worker_up",
+            "policy": self.policy.spec,
+            "redis": (
+                ("up" if self.sessions.redis_up else "down") if self.sessions.redis_enabled else "off"
+            ),
+            "workers": workers,
+        }
+        return web.json_response(body, status=200 if up else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/models from the first up worker (clients discover the model name)."""
+        for s in self.view.state.values():
+            if not s.up:
+                continue
+            try:
+                async with self._client.get(s.url + "/v1/models") as resp:
+                    data = await resp.read()
+                    headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE}
+                    headers[WORKER_HEADER] = s.name
+                    return web.Response(body=data, status=resp.status, headers=headers)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                continue
+        return self._error(503, "no worker answered GET /v1/models", "no_worker_up")
+
+    # -- health probe ----------------------------------------------------------------
+    async def probe_once(self) -> None:
+        """GET /health on every worker; up iff it answers with a status below 500."""
+        timeout = aiohttp.ClientTimeout(total=max(0.5, min(5.0, self.health_interval_s)))
+
+        async def one(name: str, url: str) -> None:
+            try:
+                async with self._client.get(url + "/health", timeout=timeout) as resp:
+                    await resp.read()
+                    ok = resp.status < 500
+                    why = f"GET /health answered {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                ok, why = False, repr(exc)
+            if ok:
+                self._mark_up(name)
+            else:
+                self._mark_down(name, why)
+
+        await asyncio.gather(*(one(s.name, s.url) for s in self.view.state.values()))
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.probe_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the probe die
+                log.exception("health probe failed")
+
+
+def _install_uvloop() -> bool:
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
+    """Run a :class:`Gateway` until SIGINT/SIGTERM (uvloop where available).
+
+    Prints one line ``kvroute gateway listening on http://HOST:PORT`` once it accepts
+    connections (with ``port=0``, the port the system chose).
+    """
+    uv = _install_uvloop()
+
+    async def main() -> None:
+        gw = Gateway(**kwargs)
+        await gw.start(host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        click.echo(
+            f"kvroute gateway listening on {gw.url} (policy {gw.policy.spec}, "
+            f"{len(gw.view.workers)} workers, {'uvloop' if uv else 'asyncio'})",
+        )
+        try:
+            await stop.wait()
+        finally:
+            await gw.stop()
+
+    asyncio.run(main())
+
+
+@click.command("gateway")
+@click.option("--policy", required=True, help="Policy spec, e.g. kv_aware or hybrid_sticky:threshold_ms=500.")
+@click.option("--worker", "workers", multiple=True, required=True,
+              help="Worker URL or NAME=URL (repeatable); NAME goes in X-Worker (default: the URL).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to listen on (0: any free port, printed at start).")
+@click.option("--redis", "redis_url", default=None,
+              help="Redis URL of the shared session table (redis://127.0.0.1:6379/0); memory only if absent.")
+@click.option("--session-ttl-s", default=3600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Forget a session this long after its last turn.")
+@click.option("--block-chars", default=DEFAULT_BLOCK_CHARS, show_default=True, type=click.IntRange(min=1),
+              help="Characters per hashed chunk of the approximate prefix index.")
+@click.option("--chars-per-token", default=DEFAULT_CHARS_PER_TOKEN, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Characters per estimated token.")
+@click.option("--prefill-ms-per-token", default=DEFAULT_PREFILL_S_PER_TOKEN * 1e3, show_default=True,
+              type=click.FloatRange(min=0), help="Per-token prefill estimate of the view (queue delay, cost_aware).")
+@click.option("--decode-ms-per-running", default=DEFAULT_DECODE_S_PER_RUNNING * 1e3, show_default=True,
+              type=click.FloatRange(min=0), help="Queue-delay share of each running request.")
+@click.option("--health-interval-s", default=1.0, show_default=True, type=click.FloatRange(min=0.05),
+              help="Period of the workers' GET /health probe.")
+@click.option("--index-ttl-s", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="TTL of the approximate prefix index (Dynamo's approximate indexer: 120 s).")
+@click.option("--index-capacity-blocks", default=None, type=click.IntRange(min=1),
+              help="Bound of each worker's approximate index in chunks (default: TTL only).")
+@click.option("--read-timeout-s", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Longest silence from a worker before its request fails.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policy's rng.")
+@click.option("--log-level", default="WARNING", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="DEBUG logs every routing decision.")
+def gateway_command(
+    policy: str, workers: tuple[str, ...], host: str, port: int, redis_url: str | None,
+    session_ttl_s: float, block_chars: int, chars_per_token: float, prefill_ms_per_token: float,
+    decode_ms_per_running: float, health_interval_s: float, index_ttl_s: float,
+    index_capacity_blocks: int | None, read_timeout_s: float, seed: int, log_level: str,
+) -> None:
+    """Route OpenAI-compatible requests to WORKERs with a kvroute policy.
+
+    Proxies POST /v1/chat/completions and /v1/completions (streaming passed through),
+    adds X-Worker to every response, serves GET /health and GET /metrics. The session id
+    is the X-Session-ID header, else the body's `user`.
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvroute").setLevel(log_level.upper())  # also under `kvroute -v gateway`
+    try:
+        pairs = [parse_worker(w) for w in workers]
+        make_policy(policy, np.random.default_rng(seed))  # fail before listening
+        PrefixHasher(block_chars, chars_per_token)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    run_gateway(
+        host, port, workers=pairs, policy=policy, seed=seed, redis_url=redis_url,
+        session_ttl_s=session_ttl_s, block_chars=block_chars, chars_per_token=chars_per_token,
+        prefill_s_per_token=prefill_ms_per_token / 1e3,
+        decode_s_per_running=decode_ms_per_running / 1e3,
+        health_interval_s=health_interval_s, index_ttl_s=index_ttl_s,
+        index_capacity_blocks=index_capacity_blocks, read_timeout_s=read_timeout_s,
+    )

@@ -1,0 +1,244 @@
+"""The gateway's :class:`~kvroute.policies.base.ClusterView`, filled from its own counters.
+
+The gateway sees only HTTP: which worker it sent each request to, when the first byte
+and the last byte came back, and the request text. From that it keeps per worker:
+
+* ``in_flight``: routed and not finished (the response not fully relayed).
+* ``waiting``: in flight with no byte of the response yet. A streamed reply's first
+  byte is its first token, so the gateway counts a request as running from then on
+  (it does not scrape the engines' ``num_requests_running``). A non-streamed request
+  counts as waiting until its whole reply arrives.
+* ``active_blocks``: sum over in-flight requests of ``ceil((prompt + output so far) /
+  block_size)``, with output tokens counted as streamed SSE events (``data:`` lines).
+* ``queue_delay_s``: ``prefill_s_per_token * (uncached prompt tokens of the waiting
+  requests) + decode_s_per_running * (running requests)``. The first term is the
+  prefill still queued ahead of a new request, "uncached" meaning prompt minus what
+  the approximate index matched when the request was routed; the second is the
+  decode share: every running request adds a decode token to each step that the
+  queued prefill shares.
+* ``matched_tokens``: leading chunks of the request's text found in the worker's
+  :class:`~kvroute.kvcache.index.ApproxPrefixIndex` (what the gateway sent there
+  within the TTL), times ``block_size`` tokens, capped at the prompt's estimate.
+* ``index_size``: chunks in that index; ``prefill_time_s``: ``tokens *
+  prefill_s_per_token``; ``session_worker``: the session table's memory.
+
+``exact`` is False: matches come from routing history, not from the engines.
+The view is mutated only by the gateway between decisions (single event loop), so a
+policy always reads a consistent snapshot during ``choose``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvroute.kvcache.index import ApproxPrefixIndex
+from kvroute.policies.base import RouteRequest
+
+DEFAULT_PREFILL_S_PER_TOKEN = 1e-4  # ~0.1 ms/token: a 7B model's prefill on an A6000
+DEFAULT_DECODE_S_PER_RUNNING = 1e-3  # what one running request adds to a step ahead
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """Counters of one worker, as the gateway sees it."""
+
+    name: str
+    url: str
+    up: bool = True
+    in_flight: int = 0
+    running: int = 0  # in flight with a first byte back
+    waiting_uncached_tokens: int = 0  # uncached prompt tokens of in-flight, not yet running
+    active_blocks: int = 0
+    routed: int = 0  # requests routed here since start
+    down_since: float | None = None
+
+
+@dataclass(slots=True)
+class Flight:
+    """One routed request, from decision to the last byte relayed."""
+
+    worker: WorkerState
+    prompt_tokens: int
+    uncached_tokens: int
+    tokens: int  # prompt + output tokens seen so far
+    blocks: int
+    running: bool = False
+    done: bool = False
+    output_tokens: int = 0
+
+
+class GatewayView:
+    """ClusterView over the gateway's counters and approximate prefix index.
+
+    Args:
+        workers: ``(name, url)`` pairs in a fixed order.
+        block_size: tokens per index block (the prefix hasher's ``block_tokens``).
+        session_lookup: memory-only session lookup (``SessionStore.peek``).
+        prefill_s_per_token: per-token prefill estimate (s).
+        decode_s_per_running: queue-delay share of one running request (s).
+        index_ttl_s: the approximate index's TTL (Dynamo's approximate indexer: 120 s).
+        index_capacity_blocks: per-worker bound of the index (``None``: TTL only).
+        clock: monotonic seconds.
+    """
+
+    exact = False
+
+    def __init__(
+        self,
+        workers: Iterable[tuple[str, str]],
+        block_size: int,
+        session_lookup: Callable[[str], str | None] = lambda _sid: None,
+        *,
+        prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN,
+        decode_s_per_running: float = DEFAULT_DECODE_S_PER_RUNNING,
+        index_ttl_s: float = 120.0,
+        index_capacity_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.state: dict[str, WorkerState] = {}
+        for name, url in workers:
+            if name in self.state:
+                raise ValueError(f"worker name {name!r} given twice")
+            self.state[name] = WorkerState(name, url)
+        if not self.state:
+            raise ValueError("the gateway needs at least one worker")
+        if prefill_s_per_token < 0 or decode_s_per_running < 0:
+            raise ValueError("prefill_s_per_token and decode_s_per_running must be >= 0")
+        self._workers = tuple(self.state)
+        self.block_size = block_size
+        self.prefill_s_per_token = prefill_s_per_token
+        self.decode_s_per_running = decode_s_per_running
+        self.index = ApproxPrefixIndex(self._workers, block_size, index_capacity_blocks, index_ttl_s)
+        self.session_lookup = session_lookup
+        self.clock = clock
+        self.now = clock()  # the decision time the index is read at; set by `snapshot`
+
+    # -- the ClusterView protocol --------------------------------------------------
+    @property
+    def workers(self) -> Sequence[str]:
+        return self._workers
+
+    def is_up(self, worker: str) -> bool:
+        return self.state[worker].up
+
+    def in_flight(self, worker: str) -> int:
+        return self.state[worker].in_flight
+
+    def waiting(self, worker: str) -> int:
+        s = self.state[worker]
+        return s.in_flight - s.running
+
+    def active_blocks(self, worker: str) -> int:
+        return self.state[worker].active_blocks
+
+    def queue_delay_s(self, worker: str) -> float:
+        s = self.state[worker]
+        return (
+            s.waiting_uncached_tokens * self.prefill_s_per_token
+            + s.running * self.decode_s_per_running
+        )
+
+    def matched_tokens(self, worker: str, request: RouteRequest) -> int:
+        n = self.index.match(worker, request.block_hashes, self.now)
+        return min(n * self.block_size, request.prompt_tokens)
+
+    def index_size(self, worker: str) -> int:
+        return self.index.size(worker)
+
+    def prefill_time_s(self, worker: str, tokens: int) -> float:
+        return tokens * self.prefill_s_per_token
+
+    def session_worker(self, session_id: str) -> str | None:
+        return self.session_lookup(session_id)
+
+    # -- bookkeeping (the gateway only) ----------------------------------------------
+    def snapshot(self) -> None:
+        """Fix the time the next decision reads the index at (call before ``choose``)."""
+        self.now = self.clock()
+
+    def record(self, worker: str, request: RouteRequest) -> None:
+        """Record a decision in the approximate index (at the decision's time)."""
+        self.index.record(worker, request.block_hashes, self.now)
+
+    def begin(self, worker: str, request: RouteRequest, matched_tokens: int) -> Flight:
+        """Count a request routed to ``worker``; returns its :class:`Flight`."""
+        s = self.state[worker]
+        uncached = max(0, request.prompt_tokens - matched_tokens)
+        tokens = request.prompt_tokens
+        blocks = -(-tokens // self.block_size)
+        s.in_flight += 1
+        s.routed += 1
+        s.waiting_uncached_tokens += uncached
+        s.active_blocks += blocks
+        return Flight(s, request.prompt_tokens, uncached, tokens, blocks)
+
+    def first_byte(self, f: Flight) -> None:
+        """The worker started answering: the request is running (prefill done)."""
+        if not f.running and not f.done:
+            f.running = True
+            f.worker.running += 1
+            f.worker.waiting_uncached_tokens -= f.uncached_tokens
+
+    def add_output(self, f: Flight, tokens: int) -> None:
+        """``tokens`` more output tokens streamed back: grow the request's blocks."""
+        if f.done or tokens <= 0:
+            return
+        f.output_tokens += tokens
+        f.tokens += tokens
+        blocks = -(-f.tokens // self.block_size)
+        if blocks != f.blocks:
+            f.worker.active_blocks += blocks - f.blocks
+            f.blocks = blocks
+
+    def finish(self, f: Flight) -> None:
+        """The request is over (ok, error or cancelled); idempotent."""
+        if f.done:
+            return
+        f.done = True
+        s = f.worker
+        s.in_flight -= 1
+        s.active_blocks -= f.blocks
+        if f.running:
+            s.running -= 1
+        else:
+            s.waiting_uncached_tokens -= f.uncached_tokens
+
+    def mark_down(self, worker: str) -> bool:
+        """Mark a worker down (refused connections); True if it was up.
+
+        Its approximate index is emptied: a worker that went away lost its cache
+        (or is about to be restarted with an empty one).
+        """
+        s = self.state[worker]
+        if not s.up:
+            return False
+        s.up = False
+        s.down_since = self.clock()
+        self.index.remove_worker(worker)
+        self.index.add_worker(worker)
+        return True
+
+    def mark_up(self, worker: str) -> bool:
+        """Mark a worker up again (its health probe answered); True if it was down."""
+        s = self.state[worker]
+        if s.up:
+            return False
+        s.up = True
+        s.down_since = None
+        return True
+
+
+class ExcludingView:
+    """``view`` with some workers reported down: picks a retry's other worker."""
+
+    def __init__(self, view: GatewayView, excluded: Iterable[str]) -> None:
+        self._view = view
+        self._excluded = frozenset(excluded)
+
+    def is_up(self, worker: str) -> bool:
+        return worker not in self._excluded and self._view.is_up(worker)
+
+    def __getattr__(self, name: str):
+        return getattr(self._view, name)
