@@ -17,6 +17,8 @@ class LazyGroup(click.Group):
 
     lazy = {
         "gateway": "kvroute.live.gateway:gateway_command",
+        "emulate": "kvroute.live.emulator:emulate",
+        "loadgen": "kvroute.live.loadgen:loadgen",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:

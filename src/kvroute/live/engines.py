@@ -1,0 +1,558 @@
+"""Start, health-check, reset and stop the workers a hardware profile describes.
+
+Three kinds of engine, chosen by the profile's ``engine.kind`` or overridden:
+
+* ``vllm`` (GPU hosts): ``python -m vllm.entrypoints.openai.api_server`` per worker,
+  pinned with ``CUDA_VISIBLE_DEVICES`` to its device; workers sharing a device
+  (``workers_per_gpu`` > 1) get the profile's memory fraction and are started one after
+  another (vLLM's memory profiling assumes nothing else is loading). The model comes
+  from the local Hugging Face cache (or ``model_dir``).
+* ``vllm-cpu``: the same server from vLLM's CPU build, with the flags and environment of
+  docs (vllm-on-cpu): one core per worker (``VLLM_CPU_OMP_THREADS_BIND``), a fixed KV
+  budget, the tiny local model built by ``kvroute model tiny DIR``, caches and sockets
+  under the run folder.
+* ``emulator``: ``python -m kvroute.live.emulator`` per worker (kvroute's own engine,
+  everything it serves labelled emulated).
+
+Both vLLM kinds get ``--enable-prefix-caching --enable-prompt-tokens-details`` and
+``VLLM_SERVER_DEV_MODE=1`` (for POST /reset_prefix_cache between policies). The
+engine's Python is ``python``, else ``$KVROUTE_ENGINE_PYTHON``, else this interpreter
+(the measure rules run inside the engine's environment); a Python without vLLM, or a
+missing model, is an :class:`EngineError` that says what to build.
+
+Workers run in their own process groups; :func:`running_engines` stops them (SIGTERM,
+then SIGKILL) on leaving, also on an exception, Ctrl-C or SIGTERM. No atexit hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvroute.hardware import Hardware, load_hardware
+
+log = logging.getLogger(__name__)
+
+ENGINE_KINDS = ("emulator", "vllm", "vllm-cpu")
+#: --max-model-len of the CPU build (docs: vllm-on-cpu.md)
+CPU_MAX_MODEL_LEN = 4096
+#: the longest context of the GPU profiles' model (Qwen2.5-7B-Instruct)
+GPU_MAX_MODEL_LEN = 32768
+#: Hugging Face repository of each model name in hardware/models.yaml
+HF_REPOS: dict[str, str] = {"Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B-Instruct"}
+#: where `kvroute model tiny DIR` puts the CPU profile's model unless told otherwise
+DEFAULT_TINY_MODEL_DIR = Path("results/models/tiny-qwen2")
+VLLM_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
+HEALTH_TIMEOUT_S = {"emulator": 20.0, "vllm-cpu": 180.0, "vllm": 900.0}
+
+
+class EngineError(RuntimeError):
+    """An engine cannot be built, started or reached; the message says what to do."""
+
+
+# -- naming shared with the emulator ---------------------------------------------------------
+
+
+def served_model_name(hw: Hardware) -> str:
+    """The model name every engine of ``hw`` serves (and the load generator asks for)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", hw.model.name).strip("-").lower()
+
+
+def max_model_len(hw: Hardware) -> int:
+    """Longest prompt + reply the engines of ``hw`` accept."""
+    if hw.engine.kind == "vllm-cpu":
+        return CPU_MAX_MODEL_LEN
+    return min(GPU_MAX_MODEL_LEN, hw.num_blocks * hw.engine.block_size)
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How to start one worker: its command, environment changes and address."""
+
+    name: str
+    index: int
+    kind: str
+    host: str
+    port: int
+    cmd: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)  # set on top of the parent's
+    unset_env: tuple[str, ...] = ()  # removed from the parent's
+    device: int = 0  # device (GPU, or core for the CPU build) the worker runs on
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def environ(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        for k in self.unset_env:
+            env.pop(k, None)
+        env.update(self.env)
+        return env
+
+
+def emulator_command(
+    hw: Hardware, index: int, port: int, *, host: str = "127.0.0.1", time_scale: float = 1.0,
+    seed: int = 0, python: str | None = None,
+) -> list[str]:
+    """Command line of emulated worker ``index`` of ``hw``."""
+    return [python or sys.executable, "-m", "kvroute.live.emulator", "--hardware", hw.name,
+            "--worker-index", str(index), "--port", str(port), "--host", host,
+            "--time-scale", repr(float(time_scale)), "--seed", str(seed)]
+
+
+def _common_vllm_env(run_dir: Path, name: str) -> dict[str, str]:
+    tmp, cache = run_dir / name / "tmp", run_dir / name / "cache"
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+        "TMPDIR": str(tmp),
+        "VLLM_CACHE_ROOT": str(cache),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def vllm_command(
+    hw: Hardware, index: int, port: int, *, model_dir: Path, run_dir: Path, host: str = "127.0.0.1",
+    python: str | None = None, served_name: str | None = None, extra_args: Sequence[str] = (),
+) -> tuple[list[str], dict[str, str]]:
+    """Command and environment of GPU worker ``index`` of a ``vllm`` profile."""
+    e = hw.engine
+    cmd = [
+        python or sys.executable, *VLLM_SERVER,
+        "--model", str(model_dir), "--served-model-name", served_name or served_model_name(hw),
+        "--host", host, "--port", str(port),
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--block-size", str(e.block_size),
+        "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+        "--max-num-seqs", str(e.max_num_seqs),
+        "--gpu-memory-utilization", str(e.gpu_memory_utilization),
+        *extra_args,
+    ]
+    env = _common_vllm_env(run_dir, hw.worker_names[index])
+    env["CUDA_VISIBLE_DEVICES"] = str(hw.gpu_of(index))
+    return cmd, env
+
+
+def vllm_cpu_command(
+    hw: Hardware, index: int, port: int, *, model_dir: Path, run_dir: Path, host: str = "127.0.0.1",
+    python: str | None = None, served_name: str | None = None, extra_args: Sequence[str] = (),
+    core: int | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """Command and environment of worker ``index`` of a ``vllm-cpu`` profile (one core each).
+
+    The flags are those seen working with vllm-cpu 0.32.0; the KV budget is the
+    profile's ``kv_cache_bytes`` and the batch cap its ``max_num_seqs``. The CPU build's
+    KV block is 128 tokens, the profile's ``block_size``.
+    """
+    if hw.kv_cache_bytes is None:
+        raise EngineError(f"hardware {hw.name!r}: a vllm-cpu profile needs gpu.kv_cache_bytes (the KV budget)")
+    cmd = [
+        python or sys.executable, *VLLM_SERVER,
+        "--model", str(model_dir), "--served-model-name", served_name or served_model_name(hw),
+        "--host", host, "--port", str(port),
+        "--enable-prefix-caching",
+        "--max-model-len", str(CPU_MAX_MODEL_LEN),
+        "--dtype", "bfloat16",
+        "--max-num-seqs", str(hw.engine.max_num_seqs),
+        "--kv-cache-memory-bytes", str(int(hw.kv_cache_bytes)),
+        "--enforce-eager",
+        "--enable-prompt-tokens-details",
+        *extra_args,
+    ]
+    env = _common_vllm_env(run_dir, hw.worker_names[index])
+    env["VLLM_CPU_OMP_THREADS_BIND"] = str(index if core is None else core)
+    return cmd, env
+
+
+# -- checks -------------------------------------------------------------------------------------
+
+
+def engine_python(python: str | None = None) -> str:
+    return python or os.environ.get("KVROUTE_ENGINE_PYTHON") or sys.executable
+
+
+def check_vllm_python(python: str, kind: str) -> None:
+    """Raise :class:`EngineError` unless ``python`` runs and can import vLLM."""
+    env_file = "envs/engine-cpu.yaml" if kind == "vllm-cpu" else "envs/engine-gpu.yaml"
+    hint = (f"build the engine environment ({env_file}; the measure rules run in it) and run from "
+            f"it, or point KVROUTE_ENGINE_PYTHON at its python")
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise EngineError(f"{kind}: engine python {python!r} does not exist; {hint}")
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+    try:
+        rc = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise EngineError(f"{kind}: cannot run engine python {python!r}: {exc}; {hint}") from exc
+    if rc != 0:
+        raise EngineError(f"{kind}: vLLM is not installed for {python}; {hint}")
+
+
+def hf_cache_dir() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return Path(home) / "hub"
+
+
+def hf_snapshot(repo: str, cache: Path | None = None) -> Path | None:
+    """The local snapshot of a Hugging Face repository (refs/main first), if any."""
+    root = (cache or hf_cache_dir()) / ("models--" + repo.replace("/", "--"))
+    snaps = root / "snapshots"
+    ref = root / "refs" / "main"
+    if ref.is_file():
+        cand = snaps / ref.read_text().strip()
+        if (cand / "config.json").is_file():
+            return cand
+    if snaps.is_dir():
+        for cand in sorted(snaps.iterdir()):
+            if (cand / "config.json").is_file():
+                return cand
+    return None
+
+
+def resolve_model_dir(hw: Hardware, kind: str, model_dir: str | os.PathLike | None = None) -> Path:
+    """The model folder a vLLM worker loads; :class:`EngineError` when it is absent.
+
+    Order: ``model_dir``, ``$KVROUTE_MODEL_DIR``, then for ``vllm`` the Hugging Face
+    cache snapshot of the profile's model, for ``vllm-cpu`` ``results/models/tiny-qwen2``.
+    """
+    explicit = model_dir or os.environ.get("KVROUTE_MODEL_DIR")
+    if explicit:
+        path = Path(explicit)
+        if not (path / "config.json").is_file():
+            how = "build it with `kvroute model tiny DIR`" if kind == "vllm-cpu" else "download the model there"
+            raise EngineError(f"model directory {path} has no config.json; {how}")
+        return path
+    if kind == "vllm-cpu":
+        path = DEFAULT_TINY_MODEL_DIR
+        if not (path / "config.json").is_file():
+            raise EngineError(f"the tiny model is not built: {path.resolve()} has no config.json; run "
+                              f"`kvroute model tiny {path}` or pass the model directory")
+        return path
+    repo = HF_REPOS.get(hw.model.name)
+    if repo is None:
+        raise EngineError(f"no Hugging Face repository known for model {hw.model.name!r}; pass the model directory")
+    snap = hf_snapshot(repo)
+    if snap is None:
+        raise EngineError(f"model {repo} is not in the local Hugging Face cache ({hf_cache_dir()}); on a machine "
+                          f"with hub access run `huggingface-cli download {repo}` (or set HF_HOME / "
+                          f"KVROUTE_MODEL_DIR)")
+    return snap
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free right now (bound together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# -- planning -----------------------------------------------------------------------------------
+
+
+def plan_workers(
+    hw: Hardware,
+    kind: str | None = None,
+    *,
+    run_dir: Path,
+    host: str = "127.0.0.1",
+    ports: Sequence[int] | None = None,
+    time_scale: float = 1.0,
+    seed: int = 0,
+    model_dir: str | os.PathLike | None = None,
+    python: str | None = None,
+    check: bool = True,
+) -> list[WorkerSpec]:
+    """Commands for every worker of ``hw`` (nothing is started).
+
+    Args:
+        kind: ``emulator``, ``vllm`` or ``vllm-cpu``; default the profile's engine kind.
+        ports: one per worker; default free ports.
+        check: verify the engine's Python and model first (vLLM kinds).
+    """
+    kind = kind or hw.engine.kind
+    if kind not in ENGINE_KINDS:
+        raise EngineError(f"unknown engine kind {kind!r}; valid: {', '.join(ENGINE_KINDS)}")
+    ports = list(ports) if ports is not None else free_ports(hw.workers, host)
+    if len(ports) != hw.workers:
+        raise EngineError(f"hardware {hw.name!r} has {hw.workers} workers but {len(ports)} ports were given")
+    run_dir = Path(run_dir).resolve()
+    specs = []
+    if kind == "emulator":
+        env = {"PYTHONUNBUFFERED": "1"}
+        for i, port in enumerate(ports):
+            cmd = emulator_command(hw, i, port, host=host, time_scale=time_scale, seed=seed, python=python)
+            specs.append(WorkerSpec(hw.worker_names[i], i, kind, host, port, tuple(cmd), env, (), hw.gpu_of(i)))
+        return specs
+    py = engine_python(python)
+    if check:
+        check_vllm_python(py, kind)
+    model = resolve_model_dir(hw, kind, model_dir)
+    ncores = os.cpu_count() or 1
+    for i, port in enumerate(ports):
+        if kind == "vllm-cpu":
+            core = i % ncores
+            cmd, env = vllm_cpu_command(hw, i, port, model_dir=model, run_dir=run_dir, host=host, python=py, core=core)
+            # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override --kv-cache-memory-bytes
+            specs.append(WorkerSpec(hw.worker_names[i], i, kind, host, port, tuple(cmd), env,
+                                    ("VLLM_CPU_KVCACHE_SPACE",), core))
+        else:
+            cmd, env = vllm_command(hw, i, port, model_dir=model, run_dir=run_dir, host=host, python=py)
+            specs.append(WorkerSpec(hw.worker_names[i], i, kind, host, port, tuple(cmd), env, (), hw.gpu_of(i)))
+    return specs
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+def _http(method: str, url: str, timeout: float) -> int:
+    """Status of a bodiless request; 0 when the server cannot be reached."""
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Engines:
+    """The running workers of one hardware profile; a context manager that stops them.
+
+    ``with Engines(specs, run_dir) as eng:`` starts every worker and waits until each
+    answers GET /health; leaving the block stops them all, whatever happened inside.
+    """
+
+    def __init__(self, specs: Sequence[WorkerSpec], run_dir: Path, health_timeout_s: float | None = None,
+                 sequential: bool = False):
+        if not specs:
+            raise EngineError("no workers to start")
+        self.specs = list(specs)
+        self.kind = specs[0].kind
+        self.run_dir = Path(run_dir)
+        self.health_timeout_s = health_timeout_s or HEALTH_TIMEOUT_S[self.kind]
+        self.sequential = sequential
+        self.procs: list[subprocess.Popen | None] = [None] * len(self.specs)
+        self._logs: list = [None] * len(self.specs)
+        self._old_sigterm = None
+
+    # -- facts ------------------------------------------------------------------------
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.specs]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p is not None]
+
+    def log_path(self, i: int) -> Path:
+        return self.run_dir / f"{self.specs[i].name}.log"
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every worker and wait until each is healthy (stops them all on failure)."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            for i in range(len(self.specs)):
+                self._start_one(i)
+                if self.sequential:
+                    self._wait_healthy([i])
+            if not self.sequential:
+                self._wait_healthy(range(len(self.specs)))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_one(self, i: int) -> None:
+        spec = self.specs[i]
+        for key in ("TMPDIR", "VLLM_CACHE_ROOT"):
+            if key in spec.env:
+                Path(spec.env[key]).mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path(i), "ab")  # noqa: SIM115 - closed in stop()
+        self._logs[i] = logf
+        log.info("starting %s %s on %s: %s", spec.kind, spec.name, spec.url, " ".join(spec.cmd))
+        try:
+            self.procs[i] = subprocess.Popen(
+                spec.cmd, env=spec.environ(), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() reaches vLLM's children too
+            )
+        except OSError as exc:
+            raise EngineError(f"cannot start {spec.name} ({spec.cmd[0]}): {exc}") from exc
+
+    def _wait_healthy(self, indices) -> None:
+        pending = set(indices)
+        deadline = time.monotonic() + self.health_timeout_s
+        while pending:
+            for i in sorted(pending):
+                p = self.procs[i]
+                if p is not None and p.poll() is not None:
+                    raise EngineError(f"{self.specs[i].name} exited with code {p.returncode} while starting; "
+                                      f"log {self.log_path(i)}:\n{_tail(self.log_path(i))}")
+                if _http("GET", self.specs[i].url + "/health", timeout=2.0) == 200:
+                    pending.discard(i)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                names = ", ".join(self.specs[i].name for i in sorted(pending))
+                raise EngineError(f"{names} not healthy after {self.health_timeout_s:.0f} s; "
+                                  f"see logs in {self.run_dir}")
+            time.sleep(0.05 if self.kind == "emulator" else 0.5)
+        log.info("%d %s workers healthy: %s", len(self.specs), self.kind, " ".join(self.urls))
+
+    def check_health(self) -> dict[str, bool]:
+        """GET /health on every worker now."""
+        return {s.name: _http("GET", s.url + "/health", timeout=2.0) == 200 for s in self.specs}
+
+    def reset_prefix_cache(self, restart_if_unsupported: bool = True) -> None:
+        """Empty every worker's prefix cache (POST /reset_prefix_cache; restart where absent)."""
+        for i, s in enumerate(self.specs):
+            status = _http("POST", s.url + "/reset_prefix_cache", timeout=30.0)
+            if status == 200:
+                continue
+            if status in (404, 405) and restart_if_unsupported:
+                log.warning("%s has no /reset_prefix_cache (VLLM_SERVER_DEV_MODE unset?): restarting it", s.name)
+                self.restart(i)
+                continue
+            raise EngineError(f"{s.name}: POST /reset_prefix_cache answered {status or 'nothing'}"
+                              + (" (requests still running?)" if status == 409 else ""))
+
+    def restart(self, i: int | None = None) -> None:
+        """Restart one worker (or all): a cold cache for certain."""
+        indices = range(len(self.specs)) if i is None else [i]
+        for j in indices:
+            self._stop_one(j)
+        try:
+            for j in indices:
+                self._start_one(j)
+            self._wait_healthy(indices)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop every worker: SIGTERM to its process group, SIGKILL after ``timeout_s``."""
+        for i, p in enumerate(self.procs):
+            if p is not None and p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for i in range(len(self.procs)):
+            self._stop_one(i, max(0.1, deadline - time.monotonic()))
+
+    def _stop_one(self, i: int, timeout_s: float = 15.0) -> None:
+        p = self.procs[i]
+        if p is not None:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+                try:
+                    p.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop within %.0f s: killing it", self.specs[i].name, timeout_s)
+                    _signal_group(p, signal.SIGKILL)
+                    p.wait(10)
+            _signal_group(p, signal.SIGKILL)  # leftovers of its group (vLLM's engine core)
+            self.procs[i] = None
+        if self._logs[i] is not None:
+            self._logs[i].close()
+            self._logs[i] = None
+
+    def __enter__(self) -> Engines:
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (a cancelled job) becomes SystemExit, so __exit__ still runs
+            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+        try:
+            self.start()
+        except BaseException:
+            self._restore_sigterm()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop()
+        finally:
+            self._restore_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+
+def _sigterm_to_exit(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    """Signal the process group we created for ``p`` (its pid is the group id)."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@contextmanager
+def running_engines(
+    hardware: str | Hardware,
+    *,
+    run_dir: str | os.PathLike,
+    kind: str | None = None,
+    host: str = "127.0.0.1",
+    ports: Sequence[int] | None = None,
+    time_scale: float = 1.0,
+    seed: int = 0,
+    model_dir: str | os.PathLike | None = None,
+    python: str | None = None,
+    health_timeout_s: float | None = None,
+) -> Iterator[Engines]:
+    """Start the workers of ``hardware`` (all healthy on entry) and stop them on exit.
+
+    Example::
+
+        with running_engines("cpu", kind="emulator", run_dir=out / "engines") as eng:
+            rows = asyncio.run(replay(trace, eng.urls, ...))
+    """
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    kind = kind or hw.engine.kind
+    specs = plan_workers(hw, kind, run_dir=Path(run_dir), host=host, ports=ports, time_scale=time_scale,
+                         seed=seed, model_dir=model_dir, python=python)
+    sequential = kind == "vllm" and hw.workers_per_gpu > 1
+    with Engines(specs, Path(run_dir), health_timeout_s, sequential) as eng:
+        yield eng

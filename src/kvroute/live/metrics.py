@@ -1,0 +1,88 @@
+"""Read a vLLM-compatible ``/metrics`` page: the prefix-cache counters and a few gauges.
+
+vLLM (and kvroute's emulator) exposes Prometheus text; the load generator scrapes every
+engine before and after a load and reports the counters' deltas beside the per-request
+``cached_tokens`` from ``usage``, so the two accounts of cache hits can be compared.
+Samples are summed over label sets (vLLM labels by ``model_name`` and ``engine``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+#: sample name -> short key in the dicts this module returns
+SAMPLES: dict[str, str] = {
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:request_success_total": "request_success",
+    "vllm:num_requests_running": "num_requests_running",
+    "vllm:num_requests_waiting": "num_requests_waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+}
+#: monotonic counters (their deltas mean something)
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success")
+
+
+def parse_metrics(text: str, names: Mapping[str, str] = SAMPLES) -> dict[str, float]:
+    """Sum each wanted sample over its label sets; absent samples are left out.
+
+    Args:
+        text: a Prometheus text exposition (a /metrics body).
+        names: sample name -> key of the result.
+    Raises:
+        ValueError: the text is not Prometheus exposition format.
+    """
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = names.get(s.name)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + float(s.value)
+    return out
+
+
+async def scrape(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """GET ``base_url``/metrics and parse it (raises on a connection or HTTP error)."""
+    url = base_url.rstrip("/") + "/metrics"
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        resp.raise_for_status()
+        return parse_metrics(await resp.text())
+
+
+async def scrape_all(
+    session: aiohttp.ClientSession, base_urls: Iterable[str], timeout_s: float = 10.0
+) -> dict[str, dict[str, float] | None]:
+    """Scrape every engine; an engine that cannot be read maps to None (logged)."""
+    out: dict[str, dict[str, float] | None] = {}
+    for url in base_urls:
+        try:
+            out[url] = await scrape(session, url, timeout_s)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("cannot scrape %s/metrics: %s", url.rstrip("/"), exc or type(exc).__name__)
+            out[url] = None
+    return out
+
+
+def delta(before: Mapping[str, float] | None, after: Mapping[str, float] | None) -> dict[str, float]:
+    """Counter increase between two scrapes; NaN where either scrape is missing.
+
+    A counter that went down means the engine restarted in between; its delta is NaN
+    rather than a wrong number.
+    """
+    out: dict[str, float] = {}
+    for key in COUNTERS:
+        if before is None or after is None or key not in before or key not in after:
+            out[key] = math.nan
+            continue
+        d = after[key] - before[key]
+        out[key] = d if d >= 0 else math.nan
+    return out

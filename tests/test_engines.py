@@ -1,0 +1,198 @@
+"""Engines: emulator workers as real subprocesses, teardown, and the vLLM command builders."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvroute.hardware import load_hardware
+from kvroute.live.engines import (
+    CPU_MAX_MODEL_LEN,
+    Engines,
+    EngineError,
+    WorkerSpec,
+    hf_snapshot,
+    plan_workers,
+    resolve_model_dir,
+    running_engines,
+    served_model_name,
+    vllm_command,
+    vllm_cpu_command,
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def test_two_emulator_workers_start_serve_reset_and_stop(tmp_path):
+    with running_engines("cpu", kind="emulator", run_dir=tmp_path, time_scale=0) as eng:
+        pids = eng.pids
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        assert eng.names == ["w0", "w1"]
+        assert eng.check_health() == {"w0": True, "w1": True}
+        body = {"messages": [{"role": "user", "content": " ".join(["word"] * 300)}], "max_tokens": 2}
+        url = eng.urls[0] + "/v1/chat/completions"
+        post(url, body)
+        assert post(url, body)["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+        eng.reset_prefix_cache()
+        assert post(url, body)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        with urllib.request.urlopen(eng.urls[1] + "/v1/models", timeout=5) as resp:
+            assert json.loads(resp.read())["data"][0]["id"] == served_model_name(load_hardware("cpu"))
+        # a restart is the other way to a cold cache
+        post(url, body)
+        eng.restart(0)
+        assert eng.pids[1] == pids[1] and eng.pids[0] != pids[0] and not alive(pids[0])
+        assert post(url, body)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        pids = eng.pids
+    assert not any(alive(p) for p in pids)
+    assert eng.pids == []
+    assert (tmp_path / "w0.log").read_text().startswith("kvroute emulator (EMULATED) w0 of cpu")
+
+
+def test_workers_are_torn_down_on_an_exception(tmp_path):
+    pids = []
+    with pytest.raises(RuntimeError, match="boom"):
+        with running_engines("cpu", kind="emulator", run_dir=tmp_path, time_scale=0) as eng:
+            pids = eng.pids
+            assert all(alive(p) for p in pids)
+            raise RuntimeError("boom")
+    assert len(pids) == 2
+    assert not any(alive(p) for p in pids)
+
+
+def test_a_worker_that_dies_while_starting_is_reported_with_its_log(tmp_path):
+    bad = WorkerSpec("w0", 0, "emulator", "127.0.0.1", 1, (sys.executable, "-c", "print('no engine here'); raise SystemExit(3)"))
+    eng = Engines([bad], tmp_path, health_timeout_s=10)
+    with pytest.raises(EngineError, match=r"w0 exited with code 3(.|\n)*no engine here"):
+        with eng:
+            pass
+    assert eng.pids == []
+
+
+def test_an_emulator_on_a_busy_port_fails_fast(tmp_path):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        spec = plan_workers(load_hardware("cpu"), "emulator", run_dir=tmp_path, ports=[s.getsockname()[1], 1])[0]
+        eng = Engines([spec], tmp_path, health_timeout_s=15)
+        with pytest.raises(EngineError, match="w0 exited with code 1(.|\n)*cannot serve on"):
+            with eng:
+                pass
+        assert eng.pids == []
+    finally:
+        s.close()
+
+
+# -- command builders (no vLLM here: commands only) ---------------------------------------------
+
+
+def test_vllm_cpu_command_has_the_documented_flags_and_environment(tmp_path):
+    hw = load_hardware("cpu")
+    cmd, env = vllm_cpu_command(hw, 1, 8101, model_dir=Path("/m/tiny"), run_dir=tmp_path, python="/env/bin/python")
+    assert cmd[:3] == ["/env/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    args = cmd[3:]
+
+    def value(flag):
+        return args[args.index(flag) + 1]
+
+    assert value("--model") == "/m/tiny"
+    assert value("--served-model-name") == served_model_name(hw)
+    assert value("--host") == "127.0.0.1" and value("--port") == "8101"
+    assert value("--max-model-len") == str(CPU_MAX_MODEL_LEN) == "4096"
+    assert value("--dtype") == "bfloat16"
+    assert value("--max-num-seqs") == "4"
+    assert value("--kv-cache-memory-bytes") == "268435456"
+    for flag in ("--enable-prefix-caching", "--enforce-eager", "--enable-prompt-tokens-details"):
+        assert flag in args
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"  # one core per worker
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["VLLM_NO_USAGE_STATS"] == "1"
+    assert env["TMPDIR"].startswith(str(tmp_path)) and env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+def test_vllm_cpu_plan_unsets_the_kv_space_override(tmp_path, monkeypatch):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    specs = plan_workers(load_hardware("cpu"), run_dir=tmp_path, ports=[9001, 9002], model_dir=model, check=False)
+    assert [s.kind for s in specs] == ["vllm-cpu", "vllm-cpu"]
+    assert [s.port for s in specs] == [9001, 9002]
+    env = specs[0].environ()
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+    cores = [str(i % (os.cpu_count() or 1)) for i in range(2)]
+    assert [s.environ()["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == cores
+
+
+def test_vllm_gpu_command_pins_devices_and_shares_memory(tmp_path):
+    hw = load_hardware("a100x1-2workers")
+    cmds = [vllm_command(hw, i, 8000 + i, model_dir=Path("/m"), run_dir=tmp_path, python="py") for i in range(2)]
+    for cmd, env in cmds:
+        assert env["CUDA_VISIBLE_DEVICES"] == "0"  # both share the one A100
+        assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.45"
+        assert cmd[cmd.index("--block-size") + 1] == "16"
+        assert "--enable-prefix-caching" in cmd and "--enable-prompt-tokens-details" in cmd
+        assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    hw4 = load_hardware("a6000x4")
+    devices = [vllm_command(hw4, i, 1, model_dir=Path("/m"), run_dir=tmp_path)[1]["CUDA_VISIBLE_DEVICES"] for i in range(4)]
+    assert devices == ["0", "1", "2", "3"]
+
+
+def test_missing_engine_python_or_vllm_or_model_is_a_clear_error(tmp_path, monkeypatch):
+    hw = load_hardware("cpu")
+    monkeypatch.delenv("KVROUTE_MODEL_DIR", raising=False)
+    monkeypatch.delenv("KVROUTE_ENGINE_PYTHON", raising=False)
+    with pytest.raises(EngineError, match="engine python .* does not exist.*envs/engine-cpu.yaml"):
+        plan_workers(hw, run_dir=tmp_path, ports=[1, 2], python=str(tmp_path / "nope/bin/python"))
+    if __import__("importlib").util.find_spec("vllm") is None:
+        with pytest.raises(EngineError, match="vLLM is not installed"):
+            plan_workers(hw, run_dir=tmp_path, ports=[1, 2], python=sys.executable)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(EngineError, match="kvroute model tiny"):
+        resolve_model_dir(hw, "vllm-cpu")
+    with pytest.raises(EngineError, match="no config.json"):
+        resolve_model_dir(hw, "vllm-cpu", tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(EngineError, match="Qwen/Qwen2.5-7B-Instruct is not in the local Hugging Face cache"):
+        resolve_model_dir(load_hardware("a6000x4"), "vllm")
+
+
+def test_the_gpu_model_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
+    root = tmp_path / "hub" / "models--Qwen--Qwen2.5-7B-Instruct"
+    snap = root / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("abc123\n")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("KVROUTE_MODEL_DIR", raising=False)
+    assert hf_snapshot("Qwen/Qwen2.5-7B-Instruct") == snap
+    assert resolve_model_dir(load_hardware("a6000x4"), "vllm") == snap
+
+
+def test_unknown_kind_and_wrong_port_count_are_rejected(tmp_path):
+    hw = load_hardware("cpu")
+    with pytest.raises(EngineError, match="unknown engine kind 'sglang'"):
+        plan_workers(hw, "sglang", run_dir=tmp_path)
+    with pytest.raises(EngineError, match="2 workers but 1 ports"):
+        plan_workers(hw, "emulator", run_dir=tmp_path, ports=[1])
