@@ -12,6 +12,34 @@ import click
 from kvroute.experiment import ExperimentError, load_experiment
 
 
+@click.command()
+@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--hardware", required=True, help="Hardware profile whose workers to start (cpu here).")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for requests.parquet and summary.csv.")
+@click.option("--policy", "policies", multiple=True, help="Policy spec (repeatable); replaces the experiment's policies.")
+@click.option("--rounds", type=click.IntRange(min=1), help="Number of rounds (default: the experiment's).")
+@click.option("--round", "round_", type=click.IntRange(min=0), help="Measure only this round (0-based).")
+@click.option("--engine", type=click.Choice(["vllm", "vllm-cpu", "emulator"]), help="Engine kind instead of the profile's (emulator: labelled emulated).")
+@click.option("--redis", "redis_url", help="Redis URL for the gateway's session table (default: in memory).")
+@click.option("--time-scale", type=float, default=1.0, show_default=True, help="Emulator only: real seconds per modelled second.")
+@click.option("--max-requests", type=click.IntRange(min=1), help="Bound on requests per policy and round.")
+@click.option("--time-limit-s", type=float, help="Bound on seconds per policy and round.")
+def measure(experiment: Path, hardware: str, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None,
+            engine: str | None, redis_url: str | None, time_scale: float, max_requests: int | None, time_limit_s: float | None) -> None:
+    """Measure EXPERIMENT on real engines behind the gateway: engines up, load, engines down."""
+    from kvroute.live.engines import EngineError
+    from kvroute.live.measure import measure_experiment
+
+    try:
+        exp = load_experiment(experiment)
+        summary = measure_experiment(exp, out, hardware, list(policies) or None, rounds, round_, engine, redis_url,
+                                     time_scale, max_requests, time_limit_s)
+    except (ExperimentError, EngineError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    cols = ["hardware", "policy", "round", "requests", "errors", "later_ttft_mean_ms", "hit_rate", "imbalance"]
+    click.echo(summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+
+
 class LazyGroup(click.Group):
     """Subcommands whose modules load only when called (the live stack imports aiohttp)."""
 
@@ -19,6 +47,7 @@ class LazyGroup(click.Group):
         "gateway": "kvroute.live.gateway:gateway_command",
         "emulate": "kvroute.live.emulator:emulate",
         "loadgen": "kvroute.live.loadgen:loadgen",
+        "measure": "kvroute.cli:measure",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:

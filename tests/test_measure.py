@@ -1,0 +1,52 @@
+"""`kvroute measure` end to end on emulated engines: workers up, gateway per policy, load, workers down."""
+
+import pandas as pd
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from kvroute.cli import main
+from kvroute.records import REQUEST_COLUMNS
+
+EXP = {
+    "name": "mtest",
+    "seed": 3,
+    "rounds": 1,
+    "workload": {"generator": "note2", "params": {"chats": 4, "turns": 3, "system_words": 300, "user_words": 200,
+                                                  "reply_tokens": 8, "ramp_s": 0.5}},
+    "runs": [{"hardware": "cpu", "policies": ["round_robin", "sticky"]}],
+}
+
+
+@pytest.fixture
+def exp_file(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text(yaml.safe_dump(EXP))
+    return p
+
+
+def test_measure_on_the_emulator_writes_labelled_records(tmp_path, exp_file):
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["measure", str(exp_file), "--hardware", "cpu", "--engine", "emulator", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    df = pd.read_parquet(out / "requests.parquet")
+    assert list(df.columns) == list(REQUEST_COLUMNS)
+    assert len(df) == 2 * 4 * 3 and (df.status == "ok").all()
+    assert (df.source == "emulated").all() and (df.view == "approx").all()
+    assert set(df.worker) <= {"w0", "w1"}
+    # sticky keeps a conversation on one worker, so its later turns read their history from cache
+    sticky = df[df.policy == "sticky"]
+    assert sticky.groupby("conversation").worker.nunique().eq(1).all()
+    later = sticky[sticky.turn > 0]
+    assert (later.cached_tokens > later.prompt_tokens * 0.5).all()
+    summary = pd.read_csv(out / "summary.csv")
+    assert set(summary.policy) == {"round_robin", "sticky"}
+    # engines were stopped: the run folder's engines left logs but no live workers behind
+    assert (out / "engines").is_dir()
+
+
+def test_measure_rejects_unknown_policy_before_starting_engines(tmp_path, exp_file):
+    res = CliRunner().invoke(main, ["measure", str(exp_file), "--hardware", "cpu", "--engine", "emulator",
+                                    "--out", str(tmp_path / "o"), "--policy", "telepathy"])
+    assert res.exit_code != 0 and "telepathy" in res.output and "kv_aware" in res.output
+    assert not (tmp_path / "o" / "engines").exists()
