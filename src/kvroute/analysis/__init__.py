@@ -15,5 +15,7 @@ Modules:
     note2        research note 2's tables (published | simulated | measured)
     sticky       the sticky-routing explainer's arithmetic and measurement
     figures      shared figure style and saving (PDF + PNG, provenance metadata)
+    results_io   reading results/sim/<exp> and results/measure/<exp>
     manifest_tex the provenance appendix from results/manifest.json
+    latex        compiling a note with latexmk (TEXINPUTS on results/ and paper/common/)
 """

@@ -35,6 +35,8 @@ from kvroute.records import write_csv
 
 #: a later turn that finds less than this fraction of its history counts as a miss
 MISS_THRESHOLD = 0.5
+#: a strategy "keeps locality" when fewer than this fraction of its later turns miss
+KEEPS_LOCALITY = 0.25
 #: objectives: column, direction, label
 OBJECTIVES = (
     ("ttft_mean_ms", "min", "mean TTFT"),
@@ -110,19 +112,38 @@ def best_per_objective(res: pd.DataFrame) -> dict[str, str]:
     return best
 
 
-def winners(res: pd.DataFrame) -> dict[str, list[str]]:
-    """Per objective, the strategies tied with the best: intervals overlapping the best's.
+def worse_than_best(pr: pd.DataFrame, alpha: float = 0.05) -> pd.DataFrame:
+    """Per (strategy, objective): is the strategy significantly worse than the objective's best?
 
-    With one round (no interval) only exact ties count.
+    The best is the strategy with the best mean over rounds (ties: the lower mean
+    TTFT, as :func:`best_per_objective`). Rounds replay the same
+    workload for every strategy, so the comparison is paired by round: a one-sided
+    paired t-test of (strategy - best) in the bad direction, significant at ``alpha``.
+    With fewer than two shared rounds nothing is significant (``p`` is NaN).
+
+    Returns:
+        Columns strategy, objective, best, mean, best_mean, p, worse.
     """
-    out = {}
+    rows = []
+    order = pr.groupby("policy")["ttft_mean_ms"].mean().sort_values(kind="stable").index  # ties: faster first
     for col, how, label in OBJECTIVES:
-        v, h = res[col], res[f"{col}_ci95"].fillna(0.0)
-        i = v.idxmin() if how == "min" else v.idxmax()
-        bound = v[i] + h[i] if how == "min" else v[i] - h[i]
-        tied = (v - h <= bound) if how == "min" else (v + h >= bound)
-        out[label] = res.loc[tied, "strategy"].tolist()
-    return out
+        means = pr.groupby("policy")[col].mean().reindex(order)
+        best = means.idxmin() if how == "min" else means.idxmax()
+        b = pr[pr["policy"] == best].set_index("round")[col]
+        for pol, g in pr.groupby("policy", sort=False):
+            v = g.set_index("round")[col]
+            shared = v.index.intersection(b.index)
+            diff = (v[shared] - b[shared]) * (1 if how == "min" else -1)  # > 0: worse
+            p = math.nan
+            if pol != best and len(shared) >= 2:
+                sd = float(diff.std(ddof=1))
+                if sd > 0:
+                    p = float(_st.t.sf(diff.mean() / (sd / math.sqrt(len(diff))), len(diff) - 1))
+                else:
+                    p = 0.0 if diff.mean() > 0 else 1.0
+            rows.append({"strategy": pol, "objective": label, "best": best, "mean": float(means[pol]),
+                         "best_mean": float(means[best]), "p": p, "worse": bool(p < alpha) if p == p else False})
+    return pd.DataFrame(rows)
 
 
 def pareto_front(res: pd.DataFrame, x: str = "hit_rate", y: str = "ttft_mean_ms") -> list[str]:
@@ -137,23 +158,37 @@ def pareto_front(res: pd.DataFrame, x: str = "hit_rate", y: str = "ttft_mean_ms"
 
 @dataclass(frozen=True)
 class ClaimResult:
+    """A claim of the original study, tested: ``holds`` None means these records cannot tell."""
+
     claim: str
-    holds: bool | None  # None: not testable with these records
+    holds: bool | None
     evidence: str
 
 
-def claim_no_single_winner(res: pd.DataFrame) -> ClaimResult:
-    """"No single strategy wins every metric": no strategy is tied-best on all four objectives."""
-    w = winners(res)
-    common = set(res["strategy"])
-    for names in w.values():
-        common &= set(names)
-    ev = "; ".join(f"{label}: {', '.join(names)}" for label, names in w.items())
-    if common:
-        return ClaimResult("no single strategy wins every metric", False,
-                           f"{', '.join(sorted(common))} is best or tied-best on every objective ({ev})")
-    return ClaimResult("no single strategy wins every metric", True,
-                       f"no strategy is best or tied-best on all four objectives ({ev})")
+VERDICT = {True: "holds", False: "does not hold", None: "undecided by these records"}
+
+
+def claim_no_single_winner(pr: pd.DataFrame, alpha: float = 0.05) -> ClaimResult:
+    """"No single strategy wins every metric".
+
+    Holds when every strategy is significantly worse than some other strategy on at
+    least one objective (:func:`worse_than_best`); does not hold when one strategy has
+    the best mean on every objective; otherwise the rounds cannot tell (``None``), and
+    the evidence names the strategies that no objective separates from the best.
+    """
+    name = "no single strategy wins every metric"
+    wb = worse_than_best(pr, alpha)
+    best = wb.groupby("objective")["best"].first()
+    ev_best = "; ".join(f"best {obj}: {b}" for obj, b in best.items())
+    if best.nunique() == 1:
+        return ClaimResult(name, False, f"{best.iloc[0]} has the best mean on every objective ({ev_best})")
+    beaten = wb.groupby("strategy")["worse"].any()
+    unbeaten = sorted(beaten[~beaten].index)
+    if not unbeaten:
+        return ClaimResult(name, True, f"every strategy is significantly worse than another on some objective "
+                                       f"(paired t-test over rounds, p < {alpha:g}; {ev_best})")
+    return ClaimResult(name, None, f"the best means differ by objective ({ev_best}), but {', '.join(unbeaten)} "
+                                   f"is not significantly worse than the best on any objective with these rounds")
 
 
 def miss_persistence(records: pd.DataFrame, threshold: float = MISS_THRESHOLD) -> pd.DataFrame:
@@ -208,15 +243,15 @@ def claim_miss_destroys(mp: pd.DataFrame, alpha: float = 0.01) -> ClaimResult:
     """"A routing miss destroys accumulated locality for the rest of a conversation".
 
     Only a strategy that accumulates locality can lose it: the test covers strategies
-    whose later turns usually hit (base ``miss_rate < 0.5``) and that missed at least
-    once. For such a strategy the claim holds when a miss is followed by another miss
+    whose later turns rarely miss (``miss_rate <`` :data:`KEEPS_LOCALITY`) and that
+    missed at least once. For such a strategy the claim holds when a miss is followed by another miss
     more often than not (``p_miss_after_miss > 0.5``) and significantly more often than
     after a hit (Fisher p < alpha), and still significantly so two turns later: the lost
     locality does not come back. The study says a miss "can" do this, so the claim
     holds when it holds for at least one strategy; the evidence names them all.
     """
     name = "a routing miss destroys accumulated locality for the rest of a conversation"
-    keeps = mp[(mp["miss_rate"] < 0.5) & (mp["misses"] > 0) & mp["fisher_p"].notna()]
+    keeps = mp[(mp["miss_rate"] < KEEPS_LOCALITY) & (mp["misses"] > 0) & mp["fisher_p"].notna()]
     if keeps.empty:
         return ClaimResult(name, None, "no locality-keeping strategy ever missed")
     persists = keeps[(keeps["p_miss_after_miss"] > 0.5) & (keeps["fisher_p"] < alpha) & (keeps["fisher_p_2"] < alpha)]
@@ -226,8 +261,8 @@ def claim_miss_destroys(mp: pd.DataFrame, alpha: float = 0.01) -> ClaimResult:
     head = (f"misses persist under {', '.join(persists['strategy'])}" if holds else
             "under every locality-keeping strategy that missed, the turn after a miss usually hits again "
             "(the conversation re-homes where it was recomputed)")
-    skipped = mp[mp["miss_rate"] >= 0.5]["strategy"].tolist()
-    tail = f"; not applicable (misses are the norm): {', '.join(skipped)}" if skipped else ""
+    skipped = mp[mp["miss_rate"] >= KEEPS_LOCALITY]["strategy"].tolist()
+    tail = f"; not applicable (locality not kept to begin with): {', '.join(skipped)}" if skipped else ""
     return ClaimResult(name, holds, head + " (" + "; ".join(parts) + ")" + tail)
 
 
@@ -245,7 +280,7 @@ def summary_text(res: pd.DataFrame, claims: Sequence[ClaimResult], experiment: s
         lines.append(f"  {label}: {name}")
     lines += ["", "Claims:"]
     for c in claims:
-        verdict = "not testable" if c.holds is None else ("holds" if c.holds else "does not hold")
+        verdict = VERDICT[c.holds]
         lines.append(f"  {c.claim}: {verdict}. {c.evidence}")
     return "\n".join(lines) + "\n"
 
@@ -265,10 +300,12 @@ def write_outputs(records: pd.DataFrame, summary: pd.DataFrame, out: Path) -> di
     """Write results.csv, per_turn_results.csv and summary.txt under ``out``; return the pieces."""
     out = Path(out)
     res = results(records, summary)
+    pr = per_round(records, summary)
     pt = per_turn(records)
     mp = miss_persistence(records)
-    claims = [claim_no_single_winner(res), claim_miss_destroys(mp)]
+    claims = [claim_no_single_winner(pr), claim_miss_destroys(mp)]
     write_csv(res, out / "results.csv")
     write_csv(pt, out / "per_turn_results.csv")
     write_text(out / "summary.txt", summary_text(res, claims, ",".join(sorted(records["experiment"].unique()))))
-    return {"results": res, "per_turn": pt, "miss": mp, "claims": claims}
+    return {"results": res, "per_round": pr, "per_turn": pt, "miss": mp, "claims": claims,
+            "worse": worse_than_best(pr)}

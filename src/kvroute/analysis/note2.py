@@ -32,6 +32,8 @@ class Row:
     metric: str
     digits: int = 1
     percent: bool = False
+    shown: str | None = None  # what the policy column shows (default: the policy's name)
+    table: str = "table2"  # the note's table the published value must come from
 
 
 def read_published(path: Path) -> pd.DataFrame:
@@ -43,10 +45,14 @@ def read_published(path: Path) -> pd.DataFrame:
 
 
 def published_cell(pub: pd.DataFrame | None, row: Row) -> Tex:
-    """The published value (or range) for ``row``, a dash when the reference gives none."""
+    """The published value (or range) for ``row``, a dash when the reference gives none.
+
+    Only a value published in the same table counts: the least-loaded comparison
+    does not borrow Table 2's KV-aware figures, which may come from other runs.
+    """
     if pub is None:
         return DASH
-    m = pub[(pub["metric"] == row.metric) & (pub["policy"] == row.policy)
+    m = pub[(pub["table"] == row.table) & (pub["metric"] == row.metric) & (pub["policy"] == row.policy)
             & pub["experiment"].isin([row.experiment, "*"]) & pub["hardware"].isin([row.hardware, "*"])]
     if m.empty:
         return DASH
@@ -83,7 +89,7 @@ def side_by_side(
         meas = rounds_interval(measured.get(r.experiment), r)
         out.append({
             "measure": r.label,
-            "policy": names.get(r.policy, r.policy),
+            "policy": r.shown if r.shown is not None else names.get(r.policy, r.policy),
             "published": published_cell(pub, r),
             "simulated": num_ci(sim, r.digits),
             "measured": num_ci(meas, r.digits),
@@ -108,16 +114,18 @@ def table2_rows() -> list[Row]:
 def least_loaded_rows() -> list[Row]:
     rows = []
     for pol in ("kv_aware", "least_loaded"):
-        rows.append(Row("time to complete (s), 20-turn", "note2-20turn", "a6000x4", pol, "time_to_complete_s", 1))
+        rows.append(Row("time to complete (s), 20-turn", "note2-20turn", "a6000x4", pol, "time_to_complete_s", 1,
+                        table="least_loaded"))
     for pol in ("kv_aware", "least_loaded"):
-        rows.append(Row("p90 TTFT (ms), 20-turn", "note2-20turn", "a6000x4", pol, "ttft_p90_ms", 0))
+        rows.append(Row("p90 TTFT (ms), 20-turn", "note2-20turn", "a6000x4", pol, "ttft_p90_ms", 0,
+                        table="least_loaded"))
     return rows
 
 
 #: research note 2's three A100 arrangements: (label, hardware, policy)
 A100_ARRANGEMENTS = (
-    ("two workers share the GPU", "a100x1-2workers", "round_robin"),
-    ("two workers share the GPU", "a100x1-2workers", "kv_aware"),
+    ("two workers, round-robin", "a100x1-2workers", "round_robin"),
+    ("two workers, KV-aware", "a100x1-2workers", "kv_aware"),
     ("one worker, whole GPU", "a100x1", "round_robin"),
 )
 
@@ -128,7 +136,7 @@ def table3_rows() -> list[Row]:
                                        ("later_ttft_mean_ms", "later-turn TTFT (ms)", 0, False),
                                        ("hit_rate", "cache hit rate (%)", 1, True)):
         for arr, hw, pol in A100_ARRANGEMENTS:
-            rows.append(Row(f"{label}: {arr}", "note2-a100", hw, pol, metric, digits, pct))
+            rows.append(Row(label, "note2-a100", hw, pol, metric, digits, pct, shown=arr, table="table3"))
     return rows
 
 

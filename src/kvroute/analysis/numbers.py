@@ -41,7 +41,7 @@ class Numbers:
     def tex(self, name: str, latex: str) -> str:
         """Define ``\\name`` as raw LaTeX."""
         self._check(name)
-        self._defs[name] = str(latex)
+        self._defs[name] = latex.latex if isinstance(latex, Tex) else str(latex)
         return self._defs[name]
 
     def add(self, name: str, value: object, digits: int = 1, unit: str | None = None, percent: bool = False) -> str:
@@ -58,7 +58,7 @@ class Numbers:
 
     def text(self, name: str, text: str) -> str:
         """Define ``\\name`` as plain text (escaped)."""
-        return self.tex(name, escape(text))
+        return self.tex(name, Tex(escape(text)))
 
     def dash(self, name: str) -> str:
         return self.tex(name, DASH)

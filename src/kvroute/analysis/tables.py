@@ -14,18 +14,49 @@ The preamble (paper/common/preamble.tex) must load booktabs and siunitx and set
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from kvroute.analysis.stats import Interval
 from kvroute.records import write_atomic
 
 
-class Tex(str):
-    """A string that is already LaTeX (not escaped again)."""
+class Tex:
+    """LaTeX that is written as is (not escaped again).
+
+    Deliberately not a ``str`` subclass: pandas turns ``str`` subclasses into plain
+    strings in its string columns, which would lose the mark and escape the LaTeX.
+    """
+
+    __slots__ = ("latex",)
+
+    def __init__(self, latex: object = "") -> None:
+        self.latex = latex.latex if isinstance(latex, Tex) else str(latex)
+
+    def __str__(self) -> str:
+        return self.latex
+
+    def __repr__(self) -> str:
+        return f"Tex({self.latex!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tex) and other.latex == self.latex
+
+    def __hash__(self) -> int:
+        return hash(("Tex", self.latex))
+
+    def __add__(self, other: object) -> Tex:
+        return Tex(self.latex + (other.latex if isinstance(other, Tex) else escape(other)))
+
+    @staticmethod
+    def join(sep: str, items) -> Tex:
+        """Join cells (Tex as is, plain text escaped) with the LaTeX separator ``sep``."""
+        return Tex(sep.join(escape(i) for i in items))
 
 
 #: what a table shows where a value is not given or not measured
@@ -52,7 +83,7 @@ _ESCAPE_RE = re.compile("|".join(re.escape(k) for k in _ESCAPES))
 def escape(text: object) -> str:
     """Escape LaTeX's special characters in plain text; :class:`Tex` passes unchanged."""
     if isinstance(text, Tex):
-        return text
+        return text.latex
     return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group(0)], str(text))
 
 
@@ -60,7 +91,7 @@ def _missing(value: object) -> bool:
     if value is None:
         return True
     try:
-        return isinstance(value, float | int) and math.isnan(value)
+        return isinstance(value, numbers.Real) and math.isnan(value)
     except TypeError:
         return False
 
@@ -103,17 +134,17 @@ def num_ci(iv: Interval, digits: int = 1, unit: str | None = None, percent: bool
 def cell(value: object, digits: int = 1) -> str:
     """LaTeX for one cell (see the module docstring)."""
     if isinstance(value, Tex):
-        return value
+        return value.latex
     if isinstance(value, Interval):
-        return num_ci(value, digits)
+        return num_ci(value, digits).latex
     if _missing(value):
-        return DASH
-    if isinstance(value, bool):
+        return DASH.latex
+    if isinstance(value, bool | np.bool_):
         return "yes" if value else "no"
-    if isinstance(value, int):
-        return Tex(rf"\num{{{value}}}")
-    if isinstance(value, float):
-        return num(value, digits)
+    if isinstance(value, numbers.Integral):
+        return rf"\num{{{int(value)}}}"
+    if isinstance(value, numbers.Real):
+        return num(value, digits).latex
     return escape(value)
 
 
@@ -182,3 +213,9 @@ def policy_tex(spec: str) -> Tex:
         sep = " " if k.endswith("_ms") else " = "
         parts.append(f"{_PARAM_TEX.get(k, escape(k))}{sep}{escape(v.strip())}{unit}")
     return Tex(text + (", " + ", ".join(parts) if parts else ""))
+
+
+def stack(*lines: str, align: str = "r") -> Tex:
+    """A multi-line header cell: each line is LaTeX, stacked in a nested tabular."""
+    body = r" \\ ".join(escape(x) if isinstance(x, Tex) else str(x) for x in lines)
+    return Tex(rf"\begin{{tabular}}[b]{{@{{}}{align}@{{}}}}{body}\end{{tabular}}")

@@ -1,0 +1,444 @@
+"""kvroute.analysis: statistics, goodput, LaTeX writers, number macros, the arithmetic of
+technical note 4 (closed form against brute force and simulation), the KV reuse study's
+outputs and claim tests, note 2's side-by-side tables, the explainer's arithmetic and
+the provenance appendix."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats as st
+
+from kvroute.analysis import arithmetic as ar
+from kvroute.analysis import kv_reuse, note2, sticky
+from kvroute.analysis.goodput import ServiceClass, goodput, goodput_curve, meets, tpot_ms
+from kvroute.analysis.manifest_tex import render, write_manifest_tex
+from kvroute.analysis.numbers import Numbers
+from kvroute.analysis.stats import interval, over_rounds
+from kvroute.analysis.tables import DASH, Tex, escape, num, num_ci, policy_tex, stack, tabular, write_table
+
+# ---------------------------------------------------------------- stats
+
+
+def test_interval_matches_scipy_t():
+    v = [10.0, 12.0, 14.0]
+    iv = interval(v)
+    half = st.t.ppf(0.975, 2) * np.std(v, ddof=1) / math.sqrt(3)
+    assert iv.mean == pytest.approx(12.0) and iv.half == pytest.approx(half)
+    assert (iv.lo, iv.hi) == pytest.approx((12 - half, 12 + half)) and iv.n == 3 and iv.has_interval
+
+
+def test_interval_one_round_has_no_interval():
+    iv = interval([5.0])
+    assert iv.mean == 5.0 and iv.n == 1 and math.isnan(iv.half) and math.isnan(iv.lo) and not iv.has_interval
+
+
+def test_interval_edge_cases():
+    assert interval([]).n == 0 and math.isnan(interval([]).mean)
+    assert interval([3.0, 3.0, 3.0]).half == 0.0
+    assert interval([1.0, float("nan"), 3.0]).n == 2
+    with pytest.raises(ValueError):
+        interval([1.0, 2.0], confidence=1.5)
+
+
+def test_over_rounds_groups():
+    s = pd.DataFrame({"experiment": "e", "hardware": "h", "policy": ["a", "a", "b"], "round": [0, 1, 0],
+                      "x": [1.0, 3.0, 5.0]})
+    out = over_rounds(s, ["x"]).set_index("policy")
+    assert out.loc["a", "x_mean"] == 2.0 and out.loc["a", "n"] == 2
+    assert out.loc["b", "x_mean"] == 5.0 and math.isnan(out.loc["b", "x_half"])
+
+# ---------------------------------------------------------------- goodput
+
+
+def _req(**kw):
+    base = dict(experiment="e", hardware="h", policy="p", round=0, status="ok", arrival_s=0.0, finish_s=10.0,
+                ttft_ms=100.0, e2e_ms=1100.0, output_tokens=101)
+    base.update(kw)
+    return base
+
+
+def test_tpot_definition_and_one_token_reply():
+    df = pd.DataFrame([_req(), _req(output_tokens=1, e2e_ms=100.0), _req(output_tokens=11, e2e_ms=600.0)])
+    assert tpot_ms(df).tolist() == pytest.approx([10.0, 0.0, 50.0])
+
+
+def test_goodput_counts_requests_meeting_both_targets():
+    df = pd.DataFrame([
+        _req(),                                   # ttft 100, tpot 10: meets
+        _req(ttft_ms=600.0, e2e_ms=1600.0),       # ttft over
+        _req(e2e_ms=100.0 + 100 * 60.0),          # tpot 60: over
+        _req(status="error:connect"),             # failed: never meets
+        _req(finish_s=20.0),                      # meets; run lasts 20 s
+    ])
+    sc = ServiceClass("c", ttft_ms=500.0, tpot_ms=50.0)
+    assert meets(df, sc).tolist() == [True, False, False, False, True]
+    g = goodput(df, sc).iloc[0]
+    assert g.good == 2 and g.requests == 5 and g.duration_s == 20.0
+    assert g.goodput_rps == pytest.approx(0.1) and g.attainment == pytest.approx(0.4)
+    assert g.throughput_rps == pytest.approx(0.25)
+    curve = goodput_curve(df, [50.0, 500.0, 1000.0], 50.0)
+    assert curve.sort_values("ttft_target_ms")["good"].tolist() == [0, 2, 3]
+
+# ---------------------------------------------------------------- tables
+
+
+def test_escape_specials():
+    assert escape("cost_aware:alpha=0.25 & 50% #1 {x} ~^\\") == (
+        r"cost\_aware:alpha=0.25 \& 50\% \#1 \{x\} \textasciitilde{}\textasciicircum{}\textbackslash{}")
+    assert escape(Tex(r"\num{1}")) == r"\num{1}"
+
+
+def test_numbers_and_intervals_in_siunitx():
+    assert str(num(12.345, 1)) == r"\num{12.3}"
+    assert str(num(0.612, 1, percent=True)) == r"\qty{61.2}{\percent}"
+    assert str(num(29.2, 1, r"\second")) == r"\qty{29.2}{\second}"
+    assert num(float("nan")) == DASH and num(None) == DASH
+    assert str(num(-0.001, 1)) == r"\num{0.0}"
+    assert str(num_ci(interval([1.0, 2.0, 3.0]), 1)) == r"\num{2.0 \pm 2.5}"
+    assert str(num_ci(interval([2.0]), 1)) == r"\num{2.0}"
+    assert num_ci(interval([])) == DASH
+
+
+def test_tabular_escapes_text_keeps_tex_even_in_pandas_string_columns(tmp_path):
+    df = pd.DataFrame({"policy": ["cost_aware:alpha=0.25", "50%"], "value": [Tex(r"\num{1}"), DASH],
+                       "x": [1.25, float("nan")], "n": [3, 4]})
+    df["policy"] = df["policy"].astype("string")
+    text = tabular(df, digits={"x": 2})
+    assert r"cost\_aware:alpha=0.25 & \num{1} & \num{1.25} & \num{3} \\" in text
+    assert r"50\% & \textemdash & \textemdash & \num{4} \\" in text
+    assert text.startswith(r"\begin{tabular}{lrrr}") and r"\toprule" in text and r"\bottomrule" in text
+    write_table(tmp_path / "t" / "x.tex", df, header=[Tex("$a$"), "b_c", stack("x", r"(\%)"), "n"])
+    out = (tmp_path / "t" / "x.tex").read_text()
+    assert "$a$ & b\\_c & " in out and not list((tmp_path / "t").glob(".*tmp"))
+    with pytest.raises(ValueError, match="header"):
+        tabular(df, header=["one"])
+
+
+def test_policy_tex():
+    assert str(policy_tex("cost_aware:alpha=0.25")) == r"cost-aware, $\alpha$ = 0.25"
+    assert str(policy_tex("hybrid_sticky:threshold_ms=500")) == r"hybrid sticky, threshold 500\,ms"
+    assert str(policy_tex("kv_aware")) == "KV-aware"
+
+# ---------------------------------------------------------------- numbers
+
+
+def test_number_macros(tmp_path):
+    n = Numbers("notebooks/x.ipynb")
+    n.add("kvNoteTwoSimRRTtcSix", 29.21, 1, r"\second")
+    n.add_int("kvChats", 64)
+    n.add_ci("kvHit", interval([0.6, 0.7]), 1, percent=True)
+    n.text("kvName", "a_b")
+    n.flag("kvMeasured", False)
+    text = n.render()
+    assert r"\newcommand{\kvNoteTwoSimRRTtcSix}{\qty{29.2}{\second}}" in text
+    assert r"\newcommand{\kvChats}{\num{64}}" in text
+    assert r"\newcommand{\kvName}{a\_b}" in text
+    assert r"\newif\ifkvMeasured\kvMeasuredfalse" in text
+    assert "notebooks/x.ipynb" in text.splitlines()[0]
+    n.write(tmp_path / "numbers" / "x.tex")
+    assert (tmp_path / "numbers" / "x.tex").read_text() == text
+
+
+@pytest.mark.parametrize("name", ["kvTwo2", "kv_two", "noPrefix", "kvlower", "kv"])
+def test_number_names_letters_only(name):
+    with pytest.raises(ValueError, match="letters only"):
+        Numbers().add(name, 1.0)
+
+
+def test_number_names_unique():
+    n = Numbers()
+    n.add("kvX", 1.0)
+    with pytest.raises(ValueError, match="twice"):
+        n.add("kvX", 2.0)
+    with pytest.raises(ValueError, match="twice"):
+        n.flag("kvX", True)
+
+# ---------------------------------------------------------------- arithmetic (technical note 4)
+
+SHAPE = ar.ChatShape(system_tokens=800, user_tokens=200, reply_tokens=128, turns=6)
+
+
+@pytest.mark.parametrize("policy", ar.POLICIES)
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_closed_form_matches_exact_expectation_without_blocks(policy, n):
+    # the closed form drops only the one-token corrections (at most T tokens of the total)
+    P = ar.prompt_tokens(SHAPE).sum()
+    exact = ar.expected_cached_shape(SHAPE, n, policy).sum() / P
+    assert ar.closed_form_hit_rate(SHAPE, n, policy) == pytest.approx(exact, abs=SHAPE.turns / P + 1e-12)
+
+
+def test_published_arithmetic_of_note2():
+    # note 2's shape on four workers: round-robin ~65% (6 turns) and ~76% (20 turns)
+    assert ar.closed_form_hit_rate(SHAPE, 4, "round_robin") == pytest.approx(0.6457, abs=1e-3)
+    twenty = ar.ChatShape(800, 200, 128, 20)
+    assert ar.closed_form_hit_rate(twenty, 4, "round_robin") == pytest.approx(0.760, abs=1e-3)
+    assert ar.closed_form_hit_rate(twenty, 4, "sticky") == pytest.approx(78320 / 82320)
+
+
+def test_reuse_lag_formula_matches_brute_force_sum():
+    n, g = 4, 1.0
+    q = 1 - 1 / n
+    for k in range(1, 12):
+        brute = sum((1 / n) * q ** (k - 1 - j) * (j + 1) * g for j in range(k))
+        assert brute == pytest.approx(g * (k - ar.reuse_lag_turns(k, n)))
+
+
+def _monte_carlo(shape, n, policy, B, trials, rng, rr_offsets=None):
+    """Mean cached tokens per turn by drawing where each turn lands and what is held there."""
+    prompts = ar.prompt_tokens(shape)
+    held_after = prompts + shape.reply_tokens - 1
+    total = np.zeros(shape.turns)
+    for _ in range(trials):
+        held = dict.fromkeys(range(n), shape.system_tokens)  # warm workers hold the system prompt
+        w = int(rng.integers(n))
+        for k in range(shape.turns):
+            if k:
+                if policy == "sticky":
+                    pass
+                elif rr_offsets is not None:
+                    w = (w + int(rng.choice(n, p=rr_offsets))) % n
+                else:
+                    w = int(rng.integers(n))
+            cap = B * ((int(prompts[k]) - 1) // B)
+            total[k] += min(B * (held[w] // B), cap)
+            held[w] = int(held_after[k])
+    return total / trials
+
+
+@pytest.mark.parametrize("policy", ["random", "sticky"])
+def test_expectation_matches_monte_carlo(policy):
+    rng = np.random.default_rng(7)
+    shape = ar.ChatShape(300, 50, 30, 7)
+    mc = _monte_carlo(shape, 3, policy, 16, 4000, rng)
+    ex = ar.expected_cached_shape(shape, 3, policy, 16)
+    assert np.allclose(mc, ex, rtol=0.03, atol=2.0)
+
+
+def test_round_robin_walk_with_given_offsets_matches_monte_carlo():
+    rng = np.random.default_rng(8)
+    shape = ar.ChatShape(300, 50, 30, 7)
+    offsets = [0.5, 0.3, 0.2]
+    mc = _monte_carlo(shape, 3, "round_robin", 16, 4000, rng, rr_offsets=offsets)
+    ex = ar.expected_cached_shape(shape, 3, "round_robin", 16, rr_mode=offsets)
+    assert np.allclose(mc, ex, rtol=0.03, atol=2.0)
+
+
+def test_return_times():
+    f = ar.return_times(4, "random", 50)
+    assert f[0] == 0 and f.sum() == pytest.approx(1 - 0.75**50)
+    assert np.allclose(ar.return_times(4, "round_robin", 6, [0.25] * 4), ar.return_times(4, "random", 6))
+    seq = ar.return_times(4, "round_robin", 8, "sequential")
+    assert seq[4] == 1.0 and seq.sum() == 1.0
+    assert ar.return_times(4, "round_robin", 3, [1, 0, 0, 0])[1] == 1.0  # lock step: sticky
+    assert ar.closed_form_hit_rate(SHAPE, 4, "round_robin", "sequential") == pytest.approx(
+        ar.expected_cached_shape(SHAPE, 4, "round_robin", 1, "sequential").sum() / ar.prompt_tokens(SHAPE).sum(),
+        abs=SHAPE.turns / ar.prompt_tokens(SHAPE).sum())
+    with pytest.raises(ValueError):
+        ar.return_times(4, "nope", 3)
+    with pytest.raises(ValueError):
+        ar.return_times(4, "round_robin", 3, [0.5, 0.5])
+
+
+def test_expectation_matches_simulation(tmp_path):
+    """The sweep's prediction against the simulator itself, on a small configuration."""
+    pred = ar.run_sweep(tmp_path, workers=(2,), system_words=(300,), workload={"chats": 16, "turns": 5},
+                        policies=("sticky", "random"))
+    summ = pd.read_csv(tmp_path / "summary.csv")
+    m = pred.merge(summ[["policy", "hit_rate"]], on="policy")
+    sticky_row = m[m.policy == "sticky"].iloc[0]
+    assert sticky_row.hit_rate == pytest.approx(sticky_row.predicted_hit_rate, abs=0.005)
+    random_row = m[m.policy == "random"].iloc[0]
+    assert random_row.hit_rate == pytest.approx(random_row.predicted_hit_rate, abs=0.06)
+    recs = pd.read_parquet(tmp_path / "requests.parquet")
+    assert {"workers", "system_tokens"} <= set(recs.columns) and len(recs) == 2 * 16 * 5
+    assert set(pd.read_csv(tmp_path / "predictions.csv").columns) >= {
+        "predicted_hit_rate", "closed_form_hit_rate", "workers", "system_tokens", "block_size"}
+
+
+def test_run_sweep_is_deterministic(tmp_path):
+    kw = dict(workers=(2,), system_words=(0,), workload={"chats": 6, "turns": 3}, policies=("random",))
+    ar.run_sweep(tmp_path / "a", **kw)
+    ar.run_sweep(tmp_path / "b", **kw)
+    for name in ("requests.parquet", "predictions.csv"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+# ---------------------------------------------------------------- the KV reuse study
+
+
+def _conv_rows(policy, rnd, conv, cached_by_turn, worker_by_turn, prompt0=100, grow=50, out=20, ttft=100.0):
+    rows = []
+    for k, (c, w) in enumerate(zip(cached_by_turn, worker_by_turn)):
+        p = prompt0 + k * (grow + out)
+        rows.append(dict(source="sim", experiment="kv-reuse", hardware="h", policy=policy, round=rnd,
+                         conversation=conv, turn=k, worker=w, arrival_s=float(k), first_token_s=k + ttft / 1e3,
+                         finish_s=k + 0.5, ttft_ms=ttft + (p - c) / 10, e2e_ms=500.0, prompt_tokens=p,
+                         cached_tokens=c, output_tokens=out, status="ok"))
+    return rows
+
+
+def _study():
+    """Two strategies, two rounds: 'keep' hits every later turn but one; 'scatter' misses often."""
+    rows = []
+    for rnd in (0, 1):
+        for i in range(6):
+            # keep: history of turn k = prompt_{k-1} + out = 100 + 70(k-1) + 20
+            hist = [0] + [100 + 70 * (k - 1) + 20 for k in range(1, 5)]
+            cached = hist.copy()
+            if i == 0:
+                cached[2] = 0  # one miss, then back
+            rows += _conv_rows("keep", rnd, f"c{i}", cached, ["w0"] * 5)
+            rows += _conv_rows("scatter", rnd, f"c{i}", [0, 0, hist[2], 0, 0] if i % 2 else [0, hist[1], 0, 0, 0],
+                               ["w0", "w1", "w0", "w1", "w0"], ttft=300.0)
+    return pd.DataFrame(rows)
+
+
+def _summary(records):
+    from kvroute.records import summarize
+    return summarize(records)
+
+
+def test_history_and_reuse_columns():
+    d = kv_reuse.with_history(_study())
+    t1 = d[(d.policy == "keep") & (d.conversation == "c1") & (d.turn == 1)].iloc[0]
+    assert t1.history == 120 and t1.history_reuse == 1.0 and t1.reuse == pytest.approx(120 / 170)
+    assert d[d.turn == 0]["history"].isna().all()
+
+
+def test_results_per_turn_and_summary(tmp_path):
+    rec = _study()
+    out = kv_reuse.write_outputs(rec, _summary(rec), tmp_path)
+    res = out["results"]
+    assert list(res.columns[:2]) == ["strategy", "rounds"]
+    assert set(kv_reuse.RESULT_METRICS) <= set(res.columns)
+    assert res.iloc[0].strategy == "keep"  # ranked by mean TTFT
+    assert res.set_index("strategy").loc["keep", "history_reuse"] > res.set_index("strategy").loc["scatter", "history_reuse"]
+    pt = pd.read_csv(tmp_path / "per_turn_results.csv")
+    assert set(pt.columns) >= {"strategy", "turn", "requests", "reuse", "history_reuse"}
+    assert pt[(pt.strategy == "keep") & (pt.turn == 0)].requests.iloc[0] == 12
+    text = (tmp_path / "summary.txt").read_text()
+    assert "ranked by mean TTFT" in text and "Best per objective" in text and "Claims" in text
+    assert (tmp_path / "results.csv").is_file()
+
+
+def test_miss_persistence_and_claim():
+    mp = kv_reuse.miss_persistence(_study()).set_index("strategy")
+    keep = mp.loc["keep"]
+    assert keep.misses == 2 and keep.p_miss_after_miss == 0.0  # the miss does not persist
+    c = kv_reuse.claim_miss_destroys(mp.reset_index())
+    assert c.holds is False and "keep" in c.evidence and "scatter" in c.evidence
+
+
+def test_claim_persisting_misses_holds():
+    rows = []
+    for rnd in (0, 1):
+        for i in range(40):
+            hist = [0] + [100 + 70 * (k - 1) + 20 for k in range(1, 8)]
+            cached = hist.copy()
+            if i < 6:  # a miss at turn 2 that never recovers
+                cached[2:] = [0] * 6
+            rows += _conv_rows("fragile", rnd, f"c{i}", cached, ["w0"] * 8)
+    c = kv_reuse.claim_miss_destroys(kv_reuse.miss_persistence(pd.DataFrame(rows)))
+    assert c.holds is True and "fragile" in c.evidence
+
+
+def test_claim_no_single_winner():
+    pr = pd.DataFrame({"policy": ["a", "a", "a", "b", "b", "b"], "round": [0, 1, 2] * 2,
+                       "ttft_mean_ms": [10, 11, 12, 20, 21, 22], "ttft_p99_ms": [50, 51, 52, 60, 61, 62],
+                       "hit_rate": [0.9, 0.91, 0.92, 0.5, 0.5, 0.5], "imbalance": [0.5, 0.6, 0.7, 0.1, 0.1, 0.1]})
+    assert kv_reuse.claim_no_single_winner(pr).holds is True
+    dominated = pr.assign(imbalance=[0.1, 0.1, 0.1, 0.5, 0.6, 0.7])
+    assert kv_reuse.claim_no_single_winner(dominated).holds is False
+    noisy = pr.assign(imbalance=[0.1, 0.9, 0.1, 0.0, 0.8, 0.1])
+    assert kv_reuse.claim_no_single_winner(noisy).holds is None
+
+
+def test_pareto_and_alpha():
+    res = pd.DataFrame({"strategy": ["a", "b", "c"], "hit_rate": [0.9, 0.8, 0.7], "ttft_mean_ms": [100, 90, 95]})
+    assert kv_reuse.pareto_front(res) == ["a", "b"]
+    assert kv_reuse.alpha_of("cost_aware:alpha=0.25") == 0.25 and kv_reuse.alpha_of("cost_aware") == 1.0
+    assert math.isnan(kv_reuse.alpha_of("sticky"))
+
+# ---------------------------------------------------------------- note 2
+
+
+def test_published_cells(tmp_path):
+    pub = pd.DataFrame({"key": ["a", "h"], "table": "table2", "experiment": ["e", "*"], "hardware": ["h", "h"],
+                        "metric": ["time_to_complete_s", "hit_rate"], "policy": ["round_robin", "kv_aware"],
+                        "value": [29.2, 0.89], "value_hi": [float("nan"), 0.95], "unit": ["s", "fraction"],
+                        "source": ["ref", "ref"]})
+    row = note2.Row("ttc", "e", "h", "round_robin", "time_to_complete_s", 1)
+    assert str(note2.published_cell(pub, row)) == r"\num{29.2}"
+    assert str(note2.published_cell(pub, note2.Row("hit", "x", "h", "kv_aware", "hit_rate", 1, True))) == r"\numrange{89}{95}"
+    assert note2.published_cell(pub, note2.Row("p90", "e", "h", "least_loaded", "ttft_p90_ms")) == DASH
+    # the least-loaded comparison does not borrow Table 2's value
+    assert note2.published_cell(pub, note2.Row("ttc", "e", "h", "round_robin", "time_to_complete_s", 1,
+                                               table="least_loaded")) == DASH
+    pub.drop(columns="source").to_csv(tmp_path / "bad.csv", index=False)
+    with pytest.raises(ValueError, match="source"):
+        note2.read_published(tmp_path / "bad.csv")
+
+
+def test_side_by_side_dashes_until_measured():
+    sim = pd.DataFrame({"experiment": "e", "hardware": "h", "policy": "kv_aware", "round": [0, 1, 2],
+                        "time_to_complete_s": [24.0, 25.0, 26.0]})
+    t = note2.side_by_side([note2.Row("ttc", "e", "h", "kv_aware", "time_to_complete_s", 1)], {"e": sim}, {"e": None}, None)
+    r = t.iloc[0]
+    assert r.published == DASH and r.measured == DASH and str(r.simulated).startswith(r"\num{25.0 \pm")
+
+
+def test_reported_files_have_sources():
+    from pathlib import Path
+    rep = Path(__file__).resolve().parents[1] / "paper" / "reported"
+    for f in rep.glob("*.csv"):
+        df = pd.read_csv(f)
+        assert "source" in df.columns and df["source"].notna().all(), f
+        assert df["source"].str.contains("../shared/reference/", regex=False).all(), f
+
+# ---------------------------------------------------------------- the sticky explainer
+
+
+def test_explainer_arithmetic():
+    a = sticky.Arithmetic(4000, 100, 2)
+    assert (a.warm, a.cold, a.ratio, a.p_cold, a.random_expected) == (100, 4100, 41.0, 0.5, 2100.0)
+    assert sticky.Arithmetic(6000, 150, 2).cold == 6150
+    assert sticky.Arithmetic(4000, 100, 2, 128).warm == 4100 - 3968  # last partial block recomputed
+    assert sticky.Arithmetic(4000, 100, 2, 16).warm == 100
+
+
+def test_measurement_summary():
+    rows = []
+    for i in range(4):
+        for pol, warm in (("sticky", True), ("random", i % 2 == 0)):
+            for k in (0, 1):
+                rows.append(dict(source="live", policy=pol, conversation=f"{pol}{i}", turn=k, status="ok",
+                                 worker="w0" if pol == "sticky" else f"w{i % 2}", prompt_tokens=3000 + 116 * k,
+                                 cached_tokens=(2944 if warm else 0) if k else 0, ttft_ms=30.0 if (k and warm) else 150.0))
+    s = sticky.measurement_summary(pd.DataFrame(rows)).set_index("policy")
+    assert s.loc["sticky", "warm"] == 4 and s.loc["random", "warm"] == 2
+    assert s.loc["sticky", "busiest_share"] == 1.0 and s.loc["random", "busiest_share"] == 0.5
+    assert s.loc["random", "cold_ttft_median_ms"] == 150.0
+
+# ---------------------------------------------------------------- provenance appendix
+
+
+def test_manifest_tex(tmp_path):
+    m = {"commit": "abc_123", "dirty": False, "config_hash": {"config/config.yaml": "f00"},
+         "sources": {"simulated": ["sim/note2-6turn"], "measured": []},
+         "packages": {"numpy": "2.1.0"}, "extra": [{"a": 1}]}
+    (tmp_path / "m.json").write_text(json.dumps(m))
+    write_manifest_tex(tmp_path / "m.json", tmp_path / "out" / "manifest.tex")
+    text = (tmp_path / "out" / "manifest.tex").read_text()
+    assert r"abc\_\allowbreak{}123" in text or r"abc\_123" in text
+    assert r"\subsection*{Source}" in text and r"\subsection*{Package versions}" in text
+    assert text.index("Source") < text.index("Package versions") < text.index("Other")
+    assert "sources.simulated" in text.replace(r"\allowbreak{}", "") and "extra[0].a" in text.replace(r"\allowbreak{}", "")
+    assert text.count(r"\begin{tabular}") == text.count(r"\end{tabular}")
+    with pytest.raises(ValueError):
+        (tmp_path / "l.json").write_text("[1]")
+        write_manifest_tex(tmp_path / "l.json", tmp_path / "x.tex")
+    assert "numpy" in render({"packages": {"numpy": "2"}})

@@ -1,0 +1,216 @@
+"""The four analysis notebooks run under papermill on small sample results and write
+exactly what docs/pipeline.md promises; one note compiles with latexmk from them.
+
+The sample results are tiny simulations of the real experiments (same names, small
+workloads, two rounds), written in a temporary folder once per session.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+# about a minute on a 2-core machine (four kernels, small simulations, two LaTeX builds)
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+
+#: small versions of the experiments the notebooks read (same names)
+SAMPLES = {
+    "note2-6turn": {"generator": "note2", "params": {"chats": 8, "turns": 3, "ramp_s": 1.0},
+                    "runs": [{"hardware": "a6000x4", "policies": ["round_robin", "least_loaded", "kv_aware"]}]},
+    "note2-20turn": {"generator": "note2", "params": {"chats": 8, "turns": 4, "ramp_s": 1.0},
+                     "runs": [{"hardware": "a6000x4", "policies": ["round_robin", "least_loaded", "kv_aware"]}]},
+    "note2-a100": {"generator": "note2", "params": {"chats": 8, "turns": 3, "ramp_s": 1.0},
+                   "runs": [{"hardware": "a100x1-2workers", "policies": ["round_robin", "kv_aware"]},
+                            {"hardware": "a100x1", "policies": ["round_robin"]}]},
+    "note2-large": {"generator": "agent",
+                    "params": {"conversations": 6, "concurrency": 3, "first_prompt_tokens": 8000,
+                               "last_prompt_tokens": 12000, "min_turns": 2, "max_turns": 3, "ramp_s": 1.0},
+                    "runs": [{"hardware": "h100x8", "policies": ["round_robin", "least_loaded", "kv_aware",
+                                                                 "cost_aware:alpha=1"]}]},
+    "kv-reuse": {"generator": "sharegpt_like", "params": {"conversations": 30, "rate_per_s": 4.0},
+                 "runs": [{"hardware": "a6000x4", "policies": ["random", "least_loaded", "sticky", "kv_aware",
+                                                               "cost_aware:alpha=0.5", "cost_aware:alpha=1"]}]},
+    "explainer-two-replicas": {"generator": "agent",
+                               "params": {"conversations": 4, "concurrency": 1, "system_words": 0,
+                                          "first_prompt_tokens": 1500, "last_prompt_tokens": 1616, "min_turns": 2,
+                                          "max_turns": 2, "reply_tokens_min": 16, "reply_tokens_max": 16,
+                                          "tool_tokens_min": 100, "max_context_tokens": 4096},
+                               "runs": [{"hardware": "cpu", "policies": ["sticky", "random"]}]},
+}
+
+#: docs/pipeline.md: what each notebook writes under out_dir
+OUTPUTS = {
+    "kv_reuse": ["kv-reuse/results.csv", "kv-reuse/per_turn_results.csv", "kv-reuse/summary.txt",
+                 *[f"figures/kv-reuse/{f}.{e}" for f in ("reuse_vs_turn", "pareto", "cost_aware_sweep",
+                                                         "strategy_comparison") for e in ("pdf", "png")],
+                 "tables/kv-reuse/results.tex", "tables/kv-reuse/claims.tex", "tables/kv-reuse/miss.tex",
+                 "numbers/kv-reuse.tex"],
+    "note2": [*[f"figures/note2/{f}.{e}" for f in ("table2", "hit_by_turn", "large_goodput") for e in ("pdf", "png")],
+              *[f"tables/note2/{t}.tex" for t in ("table1", "table2", "least_loaded", "table3", "large", "cpu")],
+              "numbers/note2.tex"],
+    "tn4": [*[f"figures/tn4/{f}.{e}" for f in ("closed_vs_sim", "per_turn", "note2_shape") for e in ("pdf", "png")],
+            "tables/tn4/sweep.tex", "numbers/tn4.tex"],
+    "sticky": ["figures/sticky/arithmetic.pdf", "figures/sticky/arithmetic.png", "tables/sticky/arithmetic.tex",
+               "tables/sticky/measurement.tex", "numbers/sticky.tex"],
+}
+PARAMS = {
+    "kv_reuse": {},
+    "note2": {"reported_dir": str(ROOT / "paper/reported"), "experiments_dir": str(ROOT / "config/experiments")},
+    "tn4": {"reported_dir": str(ROOT / "paper/reported")},
+    "sticky": {"reported_dir": str(ROOT / "paper/reported")},
+}
+
+
+def _simulate(name: str, spec: dict, out: Path, tmp: Path, rounds: int = 2) -> None:
+    from kvroute.experiment import load_experiment
+    from kvroute.sim.run import simulate_experiment
+
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "seed": 3, "rounds": rounds,
+                                    "workload": {"generator": spec["generator"], "params": spec["params"]},
+                                    "runs": spec["runs"]}))
+    simulate_experiment(load_experiment(path), out)
+
+
+@pytest.fixture(scope="session")
+def sample_results(tmp_path_factory) -> Path:
+    """results/ with small simulations of every experiment the notebooks read."""
+    from kvroute.analysis.arithmetic import run_sweep
+
+    root = tmp_path_factory.mktemp("results")
+    cfg = tmp_path_factory.mktemp("experiments")
+    for name, spec in SAMPLES.items():
+        if name != "explainer-two-replicas":
+            _simulate(name, spec, root / "sim" / name, cfg)
+    run_sweep(root / "sim" / "tn4-arithmetic", workers=(2, 4), system_words=(0, 600),
+              workload={"chats": 8, "turns": 4})
+    return root
+
+
+@pytest.fixture(scope="session")
+def measured_results(tmp_path_factory) -> Path:
+    """results/ with a stand-in measurement of the explainer's experiment.
+
+    Test data only: a simulation relabelled ``live`` so the notebook's measured branch
+    runs; nothing here is shown as a measurement anywhere else.
+    """
+    from kvroute.records import write_requests
+
+    root = tmp_path_factory.mktemp("measured")
+    cfg = tmp_path_factory.mktemp("experiments-measured")
+    sim = root / "sim-tmp"
+    _simulate("explainer-two-replicas", SAMPLES["explainer-two-replicas"], sim, cfg, rounds=1)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(sim / "requests.parquet")
+    t = t.set_column(t.schema.get_field_index("source"), "source", pa.array(["live"] * len(t)))
+    dest = root / "measure" / "explainer-two-replicas" / "cpu"
+    dest.mkdir(parents=True)
+    write_requests(t, dest / "requests.parquet")
+    shutil.copy(sim / "summary.csv", dest / "summary.csv")
+    shutil.rmtree(sim)
+    return root
+
+
+def _run(nb: str, results: Path, out: Path) -> None:
+    import papermill as pm
+
+    out.mkdir(parents=True, exist_ok=True)
+    pm.execute_notebook(str(NOTEBOOKS / f"{nb}.ipynb"), str(out / f"{nb}.executed.ipynb"),
+                        parameters={"results_dir": str(results), "out_dir": str(out), **PARAMS[nb]},
+                        progress_bar=False, kernel_name="python3", cwd=str(ROOT))
+
+
+def _files(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def notebook_outputs(sample_results, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("out")
+    before = _files(sample_results)
+    for nb in OUTPUTS:
+        _run(nb, sample_results, out)
+    assert _files(sample_results) == before, "a notebook wrote under results_dir"
+    return out
+
+
+@pytest.mark.parametrize("nb", list(OUTPUTS))
+def test_notebook_writes_its_outputs(nb, notebook_outputs):
+    missing = [p for p in OUTPUTS[nb] if not (notebook_outputs / p).is_file()]
+    assert not missing, f"{nb}.ipynb did not write {missing}"
+
+
+def test_notebook_has_tagged_parameters_cell():
+    import nbformat
+
+    for nb in OUTPUTS:
+        cells = nbformat.read(NOTEBOOKS / f"{nb}.ipynb", as_version=4).cells
+        params = [c for c in cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(params) == 1, nb
+        assert 'results_dir = "results"' in params[0].source and 'out_dir = "results"' in params[0].source
+        assert all(c.get("outputs", []) == [] for c in cells if c.cell_type == "code"), f"{nb}: committed outputs"
+
+
+def test_figures_name_their_notebook(notebook_outputs):
+    for nb, files in OUTPUTS.items():
+        for f in files:
+            if f.endswith(".pdf"):
+                assert f"notebooks/{nb}.ipynb".encode() in (notebook_outputs / f).read_bytes(), f
+            if f.endswith(".png"):
+                from PIL import Image
+
+                assert Image.open(notebook_outputs / f).info.get("Source") == f"notebooks/{nb}.ipynb", f
+
+
+def test_kv_reuse_outputs_content(notebook_outputs):
+    res = pd.read_csv(notebook_outputs / "kv-reuse/results.csv")
+    assert len(res) == len(SAMPLES["kv-reuse"]["runs"][0]["policies"])
+    assert {"strategy", "ttft_mean_ms", "ttft_p99_ms", "hit_rate", "later_turn_reuse", "history_reuse",
+            "imbalance"} <= set(res.columns)
+    assert res["ttft_mean_ms"].is_monotonic_increasing
+    assert "Claims:" in (notebook_outputs / "kv-reuse/summary.txt").read_text()
+
+
+def test_measured_cells_are_dashes_without_measurements(notebook_outputs):
+    t2 = (notebook_outputs / "tables/note2/table2.tex").read_text()
+    rows = [line for line in t2.splitlines() if line.endswith(r"\\") and "&" in line][1:]
+    assert rows and all(line.split("&")[-1].strip().startswith(r"\textemdash") for line in rows)
+    ll = (notebook_outputs / "tables/note2/least_loaded.tex").read_text()
+    body = [line for line in ll.splitlines() if line.endswith(r"\\") and "&" in line][1:]
+    assert body and all(line.split("&")[2].strip() == r"\textemdash" for line in body)  # not published
+    nums = (notebook_outputs / "numbers/sticky.tex").read_text()
+    assert r"\kvStickyMeasuredfalse" in nums and "kvStickyMeasStickyTtft" not in nums
+    assert not (notebook_outputs / "figures/sticky/turn2_ttft.pdf").exists()
+
+
+def test_sticky_with_a_measurement(measured_results, tmp_path):
+    _run("sticky", measured_results, tmp_path)
+    nums = (tmp_path / "numbers/sticky.tex").read_text()
+    assert r"\kvStickyMeasuredtrue" in nums and r"\kvStickyMeasStickyTtft" in nums
+    assert (tmp_path / "figures/sticky/turn2_ttft.pdf").is_file()
+    assert "measured" in (tmp_path / "tables/sticky/measurement.tex").read_text()
+
+
+@pytest.mark.skipif(shutil.which("latexmk") is None, reason="latexmk is not installed: cannot compile a note")
+@pytest.mark.parametrize("note", ["tn4", "sticky"])
+def test_note_compiles(note, notebook_outputs, tmp_path):
+    import json
+
+    from kvroute.analysis.latex import compile_note
+    from kvroute.analysis.manifest_tex import write_manifest_tex
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"commit": "test", "packages": {"kvroute": "0"}}))
+    write_manifest_tex(tmp_path / "manifest.json", notebook_outputs / "manifest.tex")
+    pdf = compile_note(note, ROOT / "paper", notebook_outputs, tmp_path / f"{note}.pdf", log=tmp_path / "latex.log")
+    assert pdf.read_bytes().startswith(b"%PDF")
+    last_run = (tmp_path / "latex.log").read_text().rsplit("Run number", 1)[-1]
+    assert "undefined references" not in last_run and "Citation" not in last_run
