@@ -42,6 +42,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py
 	$(BIN)/python benchmarks/note2_fidelity.py
+	$(BIN)/python benchmarks/gateway_latency.py
 
 # Re-pin every dependency from pyproject.toml into the lock (run after changing dependencies).
 lock:
