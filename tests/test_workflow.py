@@ -357,6 +357,7 @@ def test_simulation_env_covers_kvroute_dependencies():
 
     core = {_norm(Requirement(r).name) for r in requires("kvroute") or [] if "extra ==" not in r}
     pipeline = {"snakemake", "snakemake-executor-plugin-slurm", "snakemake-executor-plugin-kubernetes",
+                "snakemake-storage-plugin-s3",
                 "papermill", "ipykernel", "nbformat", "matplotlib", "seaborn"}
     workflow_only = {n for n in pipeline if n.startswith("snakemake")}
     for env, needed in (("simulation", core - pipeline), ("analysis", core - workflow_only)):
