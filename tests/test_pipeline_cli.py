@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml

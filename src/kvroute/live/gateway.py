@@ -52,6 +52,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from yarl import URL
 
+from kvroute.live.aio import cancel_all
 from kvroute.live.prefix import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -322,11 +323,7 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop listening, the probe, the client and the session store."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(self._tasks)
         self._tasks = []
         if self._runner is not None:
             await self._runner.cleanup()

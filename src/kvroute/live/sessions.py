@@ -22,6 +22,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from kvroute.live.aio import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +144,7 @@ class SessionStore:
         if self._pending and self.redis_up:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.flush(), flush_timeout_s)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(self._tasks)
         self._tasks = []
         with contextlib.suppress(Exception):
             await self._redis.aclose()

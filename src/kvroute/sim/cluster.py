@@ -12,7 +12,6 @@ Only this module knows SimPy. Engines (``kvroute.sim.engine``) and policies
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 

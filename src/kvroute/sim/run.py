@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 from tqdm import tqdm
 
 from kvroute.experiment import Experiment, Run
