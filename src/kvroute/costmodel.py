@@ -84,10 +84,20 @@ class StepTimeModel:
         The context grows by ``n`` tokens a step; step ``i`` reads ``ctx0 + i * n``.
         Vectorised so the simulator can advance many steps at once.
         """
+        fixed = self.step_overhead_s + self.per_seq_overhead_s * n
+        # both roofline terms are linear in the step index i: t_i = base + slope * i
+        mem0 = (self.weight_bytes + self.kv_bytes_per_token * ctx0) / self.bw
+        mem_slope = self.kv_bytes_per_token * n / self.bw
+        comp0 = (self.flops_per_token * n + self.attn_flops_per_pair * ctx0) / self.peak
+        comp_slope = self.attn_flops_per_pair * n / self.peak
+        last = k - 1
+        for t0, slope, o0, oslope in ((mem0, mem_slope, comp0, comp_slope), (comp0, comp_slope, mem0, mem_slope)):
+            if t0 >= o0 and t0 + slope * last >= o0 + oslope * last:  # one term bounds every step
+                i = np.arange(1, k + 1, dtype=np.float64)  # steps done
+                return share * ((fixed + t0) * i + slope * i * (i - 1) / 2)
         ctx = ctx0 + n * np.arange(k, dtype=np.float64)
         mem = (self.weight_bytes + self.kv_bytes_per_token * ctx) / self.bw
         comp = (self.flops_per_token * n + self.attn_flops_per_pair * ctx) / self.peak
-        fixed = self.step_overhead_s + self.per_seq_overhead_s * n
         return np.cumsum(share * (fixed + np.maximum(mem, comp)))
 
     def prefill_time(self, tokens: int, context: int = 0) -> float:

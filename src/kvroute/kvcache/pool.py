@@ -133,6 +133,12 @@ class BlockPool:
         if n > self._num_free:
             return None
         ref = self.ref
+        if n == 1 and self._fresh < self.num_blocks:  # the common decode case
+            b = self._fresh
+            self._fresh += 1
+            ref[b] = 1
+            self._num_free -= 1
+            return [b]
         take = min(n, self.num_blocks - self._fresh)
         out = list(range(self._fresh, self._fresh + take))
         ref[self._fresh : self._fresh + take] = 1

@@ -10,7 +10,7 @@ extended incrementally (the stream only grows), so each block is hashed once.
 
 from __future__ import annotations
 
-from kvroute.kvcache.hashing import DEFAULT_SEED, ROOT_HASH, block_hash, text_key
+from kvroute.kvcache.hashing import DEFAULT_SEED, ROOT_HASH, text_key
 
 SYSTEM, USER, ASSISTANT = 0, 1, 2
 
@@ -44,30 +44,37 @@ class ConversationStream:
 
     def chain(self, n_tokens: int) -> list[int]:
         """Hashes of the full blocks among the first ``n_tokens`` tokens (a list prefix view)."""
-        want = min(n_tokens, self.length) // self.block_size
         bs = self.block_size
-        while len(self.hashes) < want:
-            i, off = self._seg_i, self._seg_off
-            key, length = self.segments[i]
-            if off + bs < length:  # the common case: the block lies inside one segment
-                self._seg_off = off + bs
-                # inlined block_hash(parent, content): this loop hashes every block once
-                self._parent = hash((DEFAULT_SEED, self._parent, (*key, off, off + bs)))
-                self.hashes.append(self._parent)
-                continue
-            content: list[int] = []
-            need = bs
-            while need:
-                key, length = self.segments[i]
-                take = min(need, length - off)
-                content.extend(key)
-                content.append(off)
-                content.append(off + take)
-                need -= take
-                off += take
+        want = min(n_tokens, self.length) // bs
+        hashes = self.hashes
+        if len(hashes) < want:
+            segments, seed = self.segments, DEFAULT_SEED
+            i, off, parent = self._seg_i, self._seg_off, self._parent
+            while len(hashes) < want:
+                key, length = segments[i]
+                # the common case, blocks inside one segment; hash() is block_hash inlined
+                while off + bs <= length and len(hashes) < want:
+                    parent = hash((seed, parent, (*key, off, off + bs)))
+                    hashes.append(parent)
+                    off += bs
                 if off == length:
                     i, off = i + 1, 0
-            self._seg_i, self._seg_off = i, off
-            self._parent = block_hash(self._parent, tuple(content))
-            self.hashes.append(self._parent)
-        return self.hashes[:want]
+                    continue
+                if len(hashes) == want:
+                    break
+                content: list[int] = []  # a block straddling segments
+                need = bs
+                while need:
+                    key, length = segments[i]
+                    take = min(need, length - off)
+                    content.extend(key)
+                    content.append(off)
+                    content.append(off + take)
+                    need -= take
+                    off += take
+                    if off == length:
+                        i, off = i + 1, 0
+                parent = hash((seed, parent, tuple(content)))
+                hashes.append(parent)
+            self._seg_i, self._seg_off, self._parent = i, off, parent
+        return hashes[:want]
