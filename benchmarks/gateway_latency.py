@@ -6,10 +6,13 @@ targets take turns round by round instead of one after another):
 * two trivial local streaming backends (this script's ``--serve-backend``: an aiohttp
   server that answers every chat with ``--chunks`` SSE events at once; it is a test
   backend, not an engine), each in its own process;
-* the targets: ``direct`` (the client picks the backend itself, one per chat) and
-  ``kvroute`` (``kvroute gateway`` in its own process, uvloop, ``--policy``); more
-  routers can be added to ``TARGETS`` (a name and a function that starts it and returns
-  its URL and process);
+* the targets: ``direct`` (the client picks the backend itself, one per chat),
+  ``kvroute`` (``kvroute gateway`` in its own process, uvloop, ``--policy``), and the
+  production routers ``sglang-router`` and ``vllm-router`` (Rust, from ``.venv-routers``,
+  built by ``make routers``; ``--peer-policy``, cache_aware by default, like kvroute's
+  kv_aware a prefix-cache-aware policy); without that environment the peers are left out
+  with a note. More routers can be added to ``TARGETS`` (a name and a function that
+  starts it and returns its URL and process);
 * two loads per round: ``--sequential`` chats one after another, then ``--concurrent``
   chats at once (64 by default), each chat ``--turns`` turns with growing messages and
   an ``X-Session-ID``; the client keeps its connections alive.
@@ -17,10 +20,11 @@ targets take turns round by round instead of one after another):
 For every target it reports TTFT (send -> first body byte) and E2E (send -> last byte)
 p50 / p99, and the added latency: the target's percentile minus direct's. Then the
 ratios: each router's p50 / p99 added latency over the best other router's, when
-there is one. Goal (issue 4): p50 added latency at most 1 ms.
+there is one, and kvroute's over the better Rust router's. Goal (issue 4): p50 added
+latency at most 1 ms and at most 1.5 times the better Rust router's.
 
 Usage: python benchmarks/gateway_latency.py [--rounds 5] [--sequential 40] [--turns 4]
-       [--concurrent 64] [--policy kv_aware]
+       [--concurrent 64] [--policy kv_aware] [--peer-policy cache_aware] [--targets kvroute,vllm-router]
 """
 
 from __future__ import annotations
@@ -110,6 +114,11 @@ def start_process(args: list[str], url: str, timeout_s: float = 30.0) -> subproc
 
 
 def stop_process(proc: subprocess.Popen) -> None:
+    if getattr(proc, "kvroute_peer", False):
+        from kvroute.live.peers import stop_peer
+
+        stop_peer(proc)
+        return
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -132,10 +141,37 @@ def start_kvroute(backends: list[str], policy: str) -> tuple[str, subprocess.Pop
     return url, start_process(args, url)
 
 
+PEER_POLICY = "cache_aware"  # set from --peer-policy
+
+
+def _start_peer(router: str):
+    def start(backends: list[str], _policy: str) -> tuple[str, subprocess.Popen]:
+        from kvroute.live.peers import start_peer
+
+        url, proc = start_peer(f"{router}:{PEER_POLICY}", backends)
+        proc.kvroute_peer = True  # stopped by process group
+        return url, proc
+
+    return start
+
+
 #: name -> starter(backend URLs, policy) -> (URL, process); "direct" needs none.
 TARGETS: dict[str, Callable[[list[str], str], tuple[str, subprocess.Popen]]] = {
     "kvroute": start_kvroute,
+    "sglang-router": _start_peer("sglang_router"),
+    "vllm-router": _start_peer("vllm_router"),
 }
+RUST_ROUTERS = ("sglang-router", "vllm-router")
+
+
+def default_targets() -> list[str]:
+    from kvroute.live.peers import routers_available
+
+    if routers_available():
+        return list(TARGETS)
+    print("note: .venv-routers is missing (`make routers` builds it): measuring kvroute without the "
+          "production routers", file=sys.stderr)
+    return [t for t in TARGETS if t not in RUST_ROUTERS]
 
 
 # -- the client ----------------------------------------------------------------------
@@ -195,11 +231,17 @@ def cpu_s(proc: subprocess.Popen | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def ratio(a: float, b: float) -> str:
+    """``a / b`` as ``x1.23``; n/a when ``b`` is not a positive latency (noise around 0)."""
+    return f"x{a / b:.2f}" if b > 0 else f"n/a ({b:.3f} ms)"
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values) * 1e3, q))
 
 
 def main() -> None:
+    global PEER_POLICY
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5, help="rounds; targets take turns within each")
     p.add_argument("--sequential", type=int, default=40, help="sequential chats per round and target")
@@ -207,12 +249,20 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4, help="turns per chat")
     p.add_argument("--chunks", type=int, default=8, help="SSE events per reply")
     p.add_argument("--policy", default="kv_aware", help="kvroute gateway policy spec")
-    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated routers to measure")
+    p.add_argument("--peer-policy", default=PEER_POLICY,
+                   help="policy of sglang-router and vllm-router (cache_aware, round_robin, power_of_two)")
+    p.add_argument("--targets", help=f"comma-separated routers to measure, of {', '.join(TARGETS)} "
+                   "(default: all; the Rust routers only when .venv-routers exists)")
     p.add_argument("--serve-backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_backend:
         serve_backend(args.serve_backend, args.chunks)
         return
+    PEER_POLICY = args.peer_policy
+    targets = [t for t in args.targets.split(",") if t] if args.targets else default_targets()
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        p.error(f"unknown target(s) {', '.join(unknown)}; valid: {', '.join(TARGETS)}")
     try:
         import uvloop
 
@@ -231,7 +281,7 @@ def main() -> None:
             backends.append(url)
         urls: dict[str, Callable[[int], str]] = {"direct": lambda c: backends[c % len(backends)]}
         router_proc: dict[str, subprocess.Popen | None] = {"direct": None}
-        for name in [t for t in args.targets.split(",") if t]:
+        for name in targets:
             url, proc = TARGETS[name](backends, args.policy)
             procs.append(proc)
             router_proc[name] = proc
@@ -257,9 +307,10 @@ def main() -> None:
             stop_process(proc)
 
     print(f"gateway latency benchmark: {args.rounds} rounds, {args.turns} turns per chat, "
-          f"{args.chunks} SSE events per reply, policy {args.policy}, {wall:.1f} s, "
+          f"{args.chunks} SSE events per reply, policy {args.policy}"
+          f"{f', Rust routers {args.peer_policy}' if any(t in RUST_ROUTERS for t in urls) else ''}, {wall:.1f} s, "
           f"{os.cpu_count()} CPUs")
-    print(f"{'load':<11} {'target':<10} {'n':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E p50':>8} "
+    print(f"{'load':<11} {'target':<13} {'n':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E p50':>8} "
           f"{'E2E p99':>8} {'added p50':>10} {'added p99':>10}   (ms)")
     added: dict[tuple[str, str], tuple[float, float]] = {}
     for mode in ("sequential", "concurrent"):
@@ -272,7 +323,7 @@ def main() -> None:
             a50, a99 = pct(ttft, 50) - d50, pct(ttft, 99) - d99
             if t != "direct":
                 added[(t, mode)] = (a50, a99)
-            print(f"{mode:<11} {t:<10} {len(r):>6} {pct(ttft, 50):>9.3f} {pct(ttft, 99):>9.3f} "
+            print(f"{mode:<11} {t:<13} {len(r):>6} {pct(ttft, 50):>9.3f} {pct(ttft, 99):>9.3f} "
                   f"{pct(e2e, 50):>8.3f} {pct(e2e, 99):>8.3f} "
                   f"{'' if t == 'direct' else f'{a50:10.3f}'} {'' if t == 'direct' else f'{a99:10.3f}'}")
     routers = [t for t in urls if t != "direct"]
@@ -286,7 +337,7 @@ def main() -> None:
         d = [x[0] for x in results[("direct", mode)]]
         for t in routers:
             r = [x[0] for x in results[(t, mode)]]
-            print(f"  {mode:<11} {t:<10} p50 x{pct(r, 50) / pct(d, 50):.2f}  p99 x{pct(r, 99) / pct(d, 99):.2f}")
+            print(f"  {mode:<11} {t:<13} p50 x{pct(r, 50) / pct(d, 50):.2f}  p99 x{pct(r, 99) / pct(d, 99):.2f}")
     if len(routers) > 1:
         print("ratios (added latency / the best other router's added latency):")
         for mode in ("sequential", "concurrent"):
@@ -295,7 +346,17 @@ def main() -> None:
                 b50 = min(o[0] for o in others)
                 b99 = min(o[1] for o in others)
                 a50, a99 = added[(t, mode)]
-                print(f"  {mode:<11} {t:<10} p50 x{a50 / b50:.2f}  p99 x{a99 / b99:.2f}")
+                print(f"  {mode:<11} {t:<13} p50 {ratio(a50, b50)}  p99 {ratio(a99, b99)}")
+    rust = [t for t in routers if t in RUST_ROUTERS]
+    if "kvroute" in routers and rust:
+        print("kvroute vs the better Rust router (added latency; goal: p50 at most x1.5):")
+        for mode in ("sequential", "concurrent"):
+            a50, a99 = added[("kvroute", mode)]
+            best = min(rust, key=lambda t: added[(t, mode)][0])
+            b50, b99 = added[(best, mode)]
+            goal = "met" if a50 <= 1.5 * b50 or a50 <= 0 else "NOT met"
+            print(f"  {mode:<11} kvroute p50 {a50:.3f} ms vs {best} {b50:.3f} ms: {ratio(a50, b50)} ({goal});"
+                  f"  p99 {a99:.3f} ms vs {b99:.3f} ms: {ratio(a99, b99)}")
     for mode in ("sequential", "concurrent"):
         a50 = added[("kvroute", mode)][0] if ("kvroute", mode) in added else float("nan")
         print(f"goal p50 added <= 1 ms ({mode}): {'met' if a50 <= 1.0 else 'NOT met'} ({a50:.3f} ms)")

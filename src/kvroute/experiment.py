@@ -16,6 +16,7 @@ import numpy as np
 import yaml
 
 from kvroute.hardware import load_hardware
+from kvroute.live.peers import is_peer_spec, parse_peer_spec
 from kvroute.policies import make_policy
 
 
@@ -50,11 +51,14 @@ class Experiment:
         hardware: str | None = None,
         rounds: int | None = None,
         round_: int | None = None,
+        measured: bool = False,
     ) -> list[Run]:
         """The runs to do, with command-line overrides applied.
 
         ``hardware`` moves every policy of the experiment onto that profile;
         ``policies`` replaces each run's policy list; ``round_`` selects one round.
+        Production routers (``sglang_router:...``, ``vllm_router:...``) can only be
+        measured: unless ``measured``, a run naming one is an :class:`ExperimentError`.
         """
         pairs: list[tuple[str, str]] = []
         for hw, pols in self.runs:
@@ -62,6 +66,10 @@ class Experiment:
             for p in policies or pols:
                 if (hw, p) not in pairs:
                     pairs.append((hw, p))
+        if not measured:
+            for _hw, p in pairs:
+                if is_peer_spec(p):
+                    raise ExperimentError(f"{self.path}: policy {p!r} {PEER_NOT_SIMULATED}")
         n = rounds or self.rounds
         rnds = [round_] if round_ is not None else list(range(n))
         return [Run(self.name, hw, p, r) for r in rnds for hw, p in pairs]
@@ -76,7 +84,14 @@ def _where(err: jsonschema.ValidationError) -> str:
     return ".".join(str(p) for p in err.absolute_path) or "(top level)"
 
 
+PEER_NOT_SIMULATED = "is a production router: it can be measured (kvroute measure), not simulated"
+
+
 def validate_policy_spec(spec: str) -> None:
+    """Raise ValueError unless ``spec`` is a kvroute policy or a production router spec."""
+    if is_peer_spec(spec):
+        parse_peer_spec(spec)
+        return
     make_policy(spec, np.random.default_rng(0))
 
 

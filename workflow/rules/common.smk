@@ -27,6 +27,7 @@ try:
     import kvroute.pipeline
 except ImportError:  # kvroute is not installed beside Snakemake: use the source tree
     sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+from kvroute.live.peers import is_peer_spec
 from kvroute.pipeline import ARITHMETIC_NAME, config_errors, policy_slug
 
 # Rules call `kvroute`, `papermill` and `latexmk` by name: run Snakemake with the
@@ -227,7 +228,9 @@ def get_hardware_files(wildcards):
 def _sim_jobs(name):
     """{(hardware, policy slug, round): policy spec} for every simulation job of experiment ``name``."""
     jobs = {}
-    for run in _experiment(name, "experiments").expand():
+    # production routers (sglang_router:..., vllm_router:...) are measured, never simulated
+    runs = [r for r in _experiment(name, "experiments").expand(measured=True) if not is_peer_spec(r.policy)]
+    for run in runs:
         try:
             slug = policy_slug(run.policy)
         except ValueError as exc:

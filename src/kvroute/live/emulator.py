@@ -26,6 +26,9 @@ every request generates exactly ``max_tokens`` tokens (vLLM's ``ignore_eos``).
 
 Everything it serves says it is emulated: the header ``X-Kvroute-Emulated: true`` on
 every response and ``"system_fingerprint": "kvroute-emulator"`` in every completion.
+Every completion body (and every streamed chunk) also names the worker that served it,
+``"kvroute_worker": "w0"`` (:data:`WORKER_FIELD`), so a client behind a router that
+drops response headers (the production routers) can still attribute each request.
 
 Not modelled: workers that time-share one device (each emulator process runs with the
 device to itself), sampling parameters (ignored), and stop strings.
@@ -61,6 +64,8 @@ log = logging.getLogger(__name__)
 
 FINGERPRINT = "kvroute-emulator"
 EMULATED_HEADER = "X-Kvroute-Emulated"
+#: body field of every completion and chunk naming the serving worker
+WORKER_FIELD = "kvroute_worker"
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -496,7 +501,8 @@ class EmulatorServer:
             return error_response(f"engine failed: {self.worker.failure!r}", 500, "InternalServerError")
         self.ttft.observe(time.perf_counter() - job.received)
         reply = " ".join(text.word_of(t) for t in job.reply_ids)
-        base = {"id": rid, "created": int(time.time()), "model": self.model_name, "system_fingerprint": FINGERPRINT}
+        base = {"id": rid, "created": int(time.time()), "model": self.model_name, "system_fingerprint": FINGERPRINT,
+                WORKER_FIELD: self.worker.name}
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": reply}, "logprobs": None,
                       "finish_reason": "length"}
@@ -512,7 +518,8 @@ class EmulatorServer:
         await resp.prepare(request)
         created = int(time.time())
         head = json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "created": created, "model": self.model_name, "system_fingerprint": FINGERPRINT})[:-1]
+                           "created": created, "model": self.model_name, "system_fingerprint": FINGERPRINT,
+                           WORKER_FIELD: self.worker.name})[:-1]
         # vocabulary words need no JSON escaping: each chunk is a template fill
         if chat:
             tok = head + ',"choices":[{"index":0,"delta":{"content":"%s"},"logprobs":null,"finish_reason":%s}]}'

@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 SOURCES = ("live", "emulated")
 SESSION_HEADER = "X-Session-ID"
 WORKER_HEADER = "X-Worker"
+#: body field naming the serving worker (kvroute's emulator sets it in every completion and
+#: chunk): ``replay(worker_field=...)`` reads it when no ``X-Worker`` header came back
+WORKER_FIELD = "kvroute_worker"
 
 
 def _endpoints(endpoint_url: str | Sequence[str]) -> list[str]:
@@ -109,6 +112,7 @@ class Replayer:
         request_timeout_s: float,
         stream: bool,
         progress_every_s: float | None,
+        worker_field: str | None = None,
     ):
         self.trace = trace
         self.endpoints = endpoints
@@ -120,6 +124,7 @@ class Replayer:
         self.request_timeout_s = request_timeout_s
         self.stream = stream
         self.progress_every_s = progress_every_s
+        self.worker_field = worker_field
         self.rows: list[dict] = []
         self.sent = 0
         self.in_flight = 0
@@ -321,6 +326,8 @@ class Replayer:
                         o.first = self.now()
                     o.chunks += 1
                     o.reply.append(piece)
+            if o.worker is None and self.worker_field and isinstance(chunk.get(self.worker_field), str):
+                o.worker = chunk[self.worker_field]
             if chunk.get("usage"):
                 o.usage = chunk["usage"]
         if o.status == "ok" and not done:
@@ -337,6 +344,8 @@ class Replayer:
         o.chunks = 1 if content else 0
         o.reply.append(content)
         o.usage = body.get("usage")
+        if o.worker is None and self.worker_field and isinstance(body.get(self.worker_field), str):
+            o.worker = body[self.worker_field]
 
     # -- progress -----------------------------------------------------------------------------
     async def _progress(self) -> None:
@@ -385,6 +394,7 @@ async def replay(
     progress_every_s: float | None = 10.0,
     warm_connections: bool = True,
     session: aiohttp.ClientSession | None = None,
+    worker_field: str | None = None,
 ) -> list[dict]:
     """Replay ``trace`` and return one row per request sent, ordered by send time.
 
@@ -405,9 +415,13 @@ async def replay(
             to each endpoint as chats may use it at once (GET /health, at most 256), so
             the first turns' times do not include TCP connection setup.
         session: an aiohttp session to use (default: a fresh one, closed after).
+        worker_field: a reply-body field naming the worker (``kvroute_worker``, which
+            the emulator sets), read when no ``X-Worker`` header came back: behind a
+            production router, which drops that header (default: not read).
     Returns:
         rows with ``conversation``, ``turn``, ``worker`` (the ``X-Worker`` response
-        header, else the endpoint URL), ``endpoint``, ``arrival_s``, ``first_token_s``,
+        header, else the reply body's ``worker_field``, else the endpoint URL),
+        ``endpoint``, ``arrival_s``, ``first_token_s``,
         ``finish_s`` (seconds since the run started), ``ttft_ms``, ``e2e_ms``,
         ``prompt_tokens``, ``cached_tokens``, ``output_tokens`` (from ``usage``),
         ``status`` and ``error`` (a message; empty when ok).
@@ -427,7 +441,7 @@ async def replay(
                 log.warning("%s/v1/models names no model: requests go without one", endpoints[0])
         r = Replayer(trace, endpoints, sess, model=model, session_header=session_header,
                      max_requests=max_requests, time_limit_s=time_limit_s, request_timeout_s=request_timeout_s,
-                     stream=stream, progress_every_s=progress_every_s)
+                     stream=stream, progress_every_s=progress_every_s, worker_field=worker_field)
         if warm_connections:
             n = trace.concurrency if trace.mode == "closed" else len(trace.conversations)
             n = -(-min(n, max_requests if max_requests is not None else n) // len(endpoints))

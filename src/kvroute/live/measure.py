@@ -7,12 +7,22 @@ gateway routing with that policy, replay the round's trace through it with the l
 generator, and stop the gateway. Records carry ``source`` = ``live`` for real engines
 and ``emulated`` for the emulator; the gateway's prefix view is approximate (``view`` =
 ``approx``). Engines are always stopped, also on an error or Ctrl-C.
+
+A production router's spec (``sglang_router:cache_aware``, ``vllm_router:consistent_hash``,
+... see :mod:`kvroute.live.peers`) runs that router in the gateway's place, fronting
+the same engines, through the same load generator (which sends ``X-Session-ID``, the
+key of ``vllm_router:consistent_hash``); its records have ``view`` = ``peer``. The
+routers drop kvroute's ``X-Worker`` header, so a request's worker comes from the
+emulator's ``kvroute_worker`` body field, else is ``unknown``; load.json then has each
+engine's request and prompt-token counts from its /metrics (``per_worker``), for every
+policy, so per-worker load can be read beside the hit rate either way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +30,18 @@ import pandas as pd
 
 from kvroute.experiment import Experiment
 from kvroute.hardware import load_hardware
-from kvroute.live.engines import running_engines, served_model_name
+from kvroute.live.engines import EngineError, running_engines, served_model_name
 from kvroute.live.gateway import Gateway
-from kvroute.live.loadgen import records_for, run_load, write_results
+from kvroute.live.loadgen import WORKER_FIELD, LoadResult, records_for, run_load, write_results
+from kvroute.live.peers import PeerError, is_peer_spec, parse_peer_spec, routers_venv, running_peer
 from kvroute.policies import make_policy
 from kvroute.sim.run import load_trace, trace_seed
 
 log = logging.getLogger(__name__)
+
+#: the ``worker`` of a request no header or body field attributed
+UNKNOWN_WORKER = "unknown"
+PEER_VIEW = "peer"
 
 
 async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: str | None, **load_kwargs):
@@ -42,6 +57,33 @@ async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: s
         return await run_load(trace, gw.url, metrics_urls=engines.urls, model=served_model_name(hw), **load_kwargs)
     finally:
         await gw.stop()
+
+
+def _measure_peer(engines, hw, trace, spec: str, log_path: Path, **load_kwargs) -> LoadResult:
+    """Replay ``trace`` through the production router ``spec`` fronting ``engines``."""
+    with running_peer(spec, engines.urls, log_path=log_path) as url:
+        result = asyncio.run(run_load(trace, url, metrics_urls=engines.urls, model=served_model_name(hw),
+                                      worker_field=WORKER_FIELD, **load_kwargs))
+    for r in result.rows:  # the router's own URL names no worker
+        if r["worker"] == r["endpoint"]:
+            r["worker"] = UNKNOWN_WORKER
+    return result
+
+
+def per_worker_load(result: LoadResult, names: list[str], urls: list[str]) -> dict[str, dict[str, float]]:
+    """Per worker: requests and prompt tokens it served, from its /metrics counters, and
+    the requests the records attribute to it (``NaN`` where a counter was unreadable)."""
+    deltas = result.deltas
+    out: dict[str, dict[str, float]] = {}
+    for name, url in zip(names, urls):
+        d = deltas.get(url.rstrip("/"), {})
+        out[name] = {
+            "metrics_requests": d.get("request_success", math.nan),
+            "metrics_prompt_tokens": d.get("prompt_tokens", math.nan),
+            "metrics_cache_hits": d.get("prefix_cache_hits", math.nan),
+            "records_requests": float(sum(1 for r in result.rows if r["worker"] == name)),
+        }
+    return out
 
 
 def _prefill_s_per_token(hw) -> float:
@@ -64,28 +106,57 @@ def measure_experiment(
     max_requests: int | None = None,
     time_limit_s: float | None = None,
 ) -> pd.DataFrame:
-    """Measure ``exp``'s policies on ``hardware`` and write ``out``'s records and summary."""
+    """Measure ``exp``'s policies (kvroute's, or production routers) on ``hardware``;
+    write ``out``'s records, summary and load.json.
+
+    Raises:
+        EngineError: an engine or a production router cannot be started or reached
+            (the message says what to build).
+    """
+    try:
+        return _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale,
+                                   max_requests, time_limit_s)
+    except PeerError as exc:
+        raise EngineError(str(exc)) from exc
+
+
+def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale, max_requests,
+                        time_limit_s) -> pd.DataFrame:
     hw = load_hardware(hardware)
-    runs = exp.expand(policies, hardware, rounds, round_)
-    for r in runs:  # bad specs fail before any engine starts
-        make_policy(r.policy, np.random.default_rng(0))
+    runs = exp.expand(policies, hardware, rounds, round_, measured=True)
+    for r in runs:  # bad specs (and a missing routers environment) fail before any engine starts
+        if is_peer_spec(r.policy):
+            parse_peer_spec(r.policy)
+            routers_venv()
+        else:
+            make_policy(r.policy, np.random.default_rng(0))
     out = Path(out)
     records: list[dict] = []
     workers: dict[tuple, list[str]] = {}
     checks: dict[str, dict] = {}
+    loads: dict[str, dict] = {}
     with running_engines(hw, run_dir=out / "engines", kind=engine, time_scale=time_scale) as engines:
         source = "emulated" if engines.kind == "emulator" else "live"
         for run in runs:
             trace = load_trace(exp, run.round)
             engines.reset_prefix_cache()
+            peer = is_peer_spec(run.policy)
             log.info("measuring %s on %s round %d (%s)", run.policy, hardware, run.round, source)
-            result = asyncio.run(
-                _measure_policy(engines, hw, trace, run.policy, seed=exp.seed + run.round, redis_url=redis_url,
-                                max_requests=max_requests, time_limit_s=time_limit_s)
-            )
+            kwargs = {"max_requests": max_requests, "time_limit_s": time_limit_s}
+            if peer:
+                logp = out / "routers" / f"{run.policy.replace(':', '-')}-round{run.round}.log"
+                result = _measure_peer(engines, hw, trace, run.policy, logp, **kwargs)
+            else:
+                result = asyncio.run(
+                    _measure_policy(engines, hw, trace, run.policy, seed=exp.seed + run.round, redis_url=redis_url,
+                                    **kwargs)
+                )
             records += records_for(result.rows, source=source, experiment=exp.name, hardware=hardware,
                                    policy=run.policy, round=run.round, seed=trace_seed(exp.seed, run.round),
-                                   view="approx")
+                                   view=PEER_VIEW if peer else "approx")
             workers[(exp.name, hardware, run.policy, run.round)] = list(engines.names)
-            checks[f"{run.policy} round {run.round}"] = result.cross_check()
-    return write_results(records, out, workers=workers, extra={"engine": engine or hw.engine.kind, "cross_check": checks})
+            key = f"{run.policy} round {run.round}"
+            checks[key] = result.cross_check()
+            loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))
+    return write_results(records, out, workers=workers,
+                         extra={"engine": engine or hw.engine.kind, "cross_check": checks, "per_worker": loads})
