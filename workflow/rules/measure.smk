@@ -34,11 +34,27 @@ rule measure_gpu:
         "kvroute measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} > {log:q} 2>&1"
 
 
+rule tiny_model:  # the CPU profile's model: random weights, local tokenizer, deterministic
+    output:
+        "results/models/tiny-qwen2/config.json",
+    log:
+        "results/logs/measure/tiny_model.log",
+    benchmark:
+        "results/benchmarks/measure/tiny_model.tsv"
+    conda:
+        "../../envs/engine-cpu.yaml"
+    shell:
+        "kvroute model tiny results/models/tiny-qwen2 > {log:q} 2>&1"
+
+
 rule measure_cpu:
+    # kvroute measure runs from the main environment; the vLLM servers it starts use
+    # .venv-engine-cpu (`make engine-cpu`), found without configuration.
     input:
         experiment=get_measure_experiment,
         hardware=get_measure_hardware_files,
         sources=LIVE_SOURCES,
+        model=rules.tiny_model.output,
     output:
         requests="results/measure/{mexp}/{mhw}/requests.parquet",
         summary="results/measure/{mexp}/{mhw}/summary.csv",
@@ -50,6 +66,7 @@ rule measure_cpu:
     resources:
         mem_mb=12000,
         runtime=60,
+        measure_slot=1,  # one measurement at a time: two would share the same cores
     log:
         "results/logs/measure/{mexp}/{mhw}.log",
     benchmark:

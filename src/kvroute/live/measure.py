@@ -35,6 +35,7 @@ from kvroute.live.gateway import Gateway
 from kvroute.live.loadgen import WORKER_FIELD, LoadResult, records_for, run_load, write_results
 from kvroute.live.peers import PeerError, is_peer_spec, parse_peer_spec, routers_venv, running_peer
 from kvroute.policies import make_policy
+from kvroute.records import imbalance, write_csv
 from kvroute.sim.run import load_trace, trace_seed
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def per_worker_load(result: LoadResult, names: list[str], urls: list[str]) -> di
             "metrics_requests": d.get("request_success", math.nan),
             "metrics_prompt_tokens": d.get("prompt_tokens", math.nan),
             "metrics_cache_hits": d.get("prefix_cache_hits", math.nan),
+            "metrics_generation_tokens": d.get("generation_tokens", math.nan),
             "records_requests": float(sum(1 for r in result.rows if r["worker"] == name)),
         }
     return out
@@ -158,5 +160,24 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
             key = f"{run.policy} round {run.round}"
             checks[key] = result.cross_check()
             loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))
-    return write_results(records, out, workers=workers,
-                         extra={"engine": engine or hw.engine.kind, "cross_check": checks, "per_worker": loads})
+    summary = write_results(records, out, workers=workers,
+                            extra={"engine": engine or hw.engine.kind, "cross_check": checks, "per_worker": loads})
+    return _imbalance_from_metrics(summary, records, loads, out)
+
+
+def _imbalance_from_metrics(summary: pd.DataFrame, records: list[dict], loads: dict, out: Path) -> pd.DataFrame:
+    """Where the records cannot name a request's worker (a peer router behind real engines
+    drops X-Worker), the records-based imbalance would be a meaningless 0: take it from the
+    engines' own counters instead (uncached prompt + generated tokens per engine, the
+    records' definition of work), or NaN where those are unreadable; rewrite summary.csv."""
+    unknown = {(r["policy"], r["round"]) for r in records if r["worker"] == "unknown"}
+    if not unknown:
+        return summary
+    for i, row in summary.iterrows():
+        if (row["policy"], row["round"]) not in unknown:
+            continue
+        per = loads.get(f"{row['policy']} round {row['round']}", {})
+        work = [w["metrics_prompt_tokens"] - w["metrics_cache_hits"] + w["metrics_generation_tokens"] for w in per.values()]
+        summary.loc[i, "imbalance"] = imbalance(work) if work and not any(math.isnan(x) for x in work) else math.nan
+    write_csv(summary, Path(out) / "summary.csv")
+    return summary
