@@ -57,6 +57,12 @@ def _make_repo(dst: Path) -> Path:
         elif src.is_file():
             shutil.copy2(src, dst / name)
     cfg = _config(dst)
+    # these tests are about simulation, analysis and notes; measurement has its own test
+    # (test_measure_rules_only_when_enabled), so the copy runs with measurement off
+    if cfg.get("measure", {}).get("enabled"):
+        text = (dst / "config/config.yaml").read_text()
+        (dst / "config/config.yaml").write_text(text.replace("  enabled: true", "  enabled: false", 1))
+        cfg = _config(dst)
     for a in cfg["analyses"]:
         _placeholder(dst / f"notebooks/{a['notebook']}.ipynb", "{}\n")
         for path in a.get("inputs", []):

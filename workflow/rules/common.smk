@@ -190,7 +190,14 @@ SIM_SOURCES = _sources(
     "src/kvroute/records.py",
 )
 ARITHMETIC_SOURCES = SIM_SOURCES + _sources("src/kvroute/analysis/arithmetic*.py")
-LIVE_SOURCES = SIM_SOURCES + _sources("src/kvroute/live/*.py")
+# What a measurement's results depend on: the live stack and what it imports (policies,
+# hashing, workloads, records), not the simulator's engine model, so editing the
+# simulator does not rerun real-engine measurements (the emulator is not measured here).
+LIVE_SOURCES = _sources(
+    "src/kvroute/live/*.py", "src/kvroute/kvcache/*.py", "src/kvroute/hardware.py",
+    "src/kvroute/policies/*.py", "src/kvroute/workload/*.py", "src/kvroute/records.py",
+    "src/kvroute/experiment.py",
+)
 MANIFEST_SOURCES = _sources("src/kvroute/pipeline.py")
 ANALYSIS_SOURCES = _sources("src/kvroute/analysis/*.py")  # what the notebooks import
 
