@@ -19,11 +19,12 @@ Prefix closure: with chains freed tail-first and touched only as chain prefixes,
 cached block's whole prefix is cached too, so :meth:`num_cached_blocks` can
 binary-search a chain (routers ask it for every worker on every request).
 
-Speed: the free queue is lazy. Freeing appends ``(block, position)`` to a list and
-taking a reference only marks the block; entries whose block was taken again (or
-freed again later) are skipped when the head is consumed. Freeing and re-touching a
-conversation's blocks every turn thus costs a list append and a counter, not a
-linked-list update.
+Speed: the free queue is lazy. Freeing appends blocks to a numpy buffer (recording
+each block's position) and taking a reference only marks the block; entries whose
+block was taken again (or freed again later) are skipped when the head is consumed.
+Freeing and re-touching a conversation's blocks every turn thus costs an array write
+and a counter, not a linked-list update, and an allocation finds its blocks with a
+vectorised scan of the head; only the evicted hashes are touched one by one.
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ class BlockPool:
         self._dups: dict[int, list[int]] = {}  # hash -> other blocks carrying it
         self.num_evictions = 0
         self._fresh = 0  # blocks [_fresh, num_blocks) were never allocated: the queue's head
-        self._queue: list[int] = []  # freed blocks, oldest first (lazy: may hold stale entries)
+        # freed blocks, oldest first (lazy: may hold stale entries). Live entries and the
+        # blocks being freed are distinct blocks, so packing the live ones leaves room.
+        self._queue = np.empty(2 * num_blocks, dtype=np.int64)
+        self._len = 0  # entries in use in _queue
         self._base = 0  # global position of _queue[0]
         self._head = 0  # index in _queue of the next entry to consider
         self._pos = np.full(num_blocks, -1, dtype=np.int64)  # global position of each block's latest entry
@@ -69,11 +73,12 @@ class BlockPool:
 
     def _iter_free(self) -> Iterator[int]:
         yield from range(self._fresh, self.num_blocks)
-        ref, pos, base, q = self.ref, self._pos, self._base, self._queue
-        for i in range(self._head, len(q)):
-            b = q[i]
-            if not ref[b] and pos[b] == base + i:
-                yield b
+        yield from self._queue[self._head + self._live(self._head, self._len)].tolist()
+
+    def _live(self, lo: int, hi: int) -> np.ndarray:
+        """Offsets from ``lo`` of the current (not stale) queue entries in ``[lo, hi)``."""
+        q = self._queue[lo:hi]
+        return np.flatnonzero((self.ref[q] == 0) & (self._pos[q] == np.arange(self._base + lo, self._base + hi)))
 
     def num_cached_blocks(self, hashes: Sequence[int]) -> int:
         """Leading blocks of a hash chain present in the cache (no side effects).
@@ -144,21 +149,34 @@ class BlockPool:
         ref[self._fresh : self._fresh + take] = 1
         self._fresh += take
         if take < n:
-            q, pos, base = self._queue, self._pos, self._base
-            i = self._head
-            while len(out) < n:
-                b = q[i]
-                if not ref[b] and pos[b] == base + i:
-                    if self.block_hash[b] is not None:
-                        self._evict(b)
-                    ref[b] = 1
-                    out.append(b)
-                i += 1
-            self._head = i
-            if i > 4096 and i > len(q) // 2:
-                self._compact()
+            out.extend(self._take_queued(n - take))
         self._num_free -= n
         return out
+
+    def _take_queued(self, n: int) -> list[int]:
+        """Take the first ``n`` live blocks of the queue (there are enough), evicting their hashes."""
+        got: list[int] = []
+        i = self._head
+        while len(got) < n:
+            want = n - len(got)
+            hi = min(self._len, i + 2 * want + 64)  # stale entries are skipped: scan a little more
+            live = self._live(i, hi)[:want]
+            blocks = self._queue[i + live]
+            self.ref[blocks] = 1
+            got.extend(blocks.tolist())
+            i = i + int(live[-1]) + 1 if len(live) == want else hi  # stop just past the last block taken
+        self._head = i
+        bh, cached, dups = self.block_hash, self.cached, self._dups
+        for b in got:
+            h = bh[b]
+            if h is not None:
+                if cached.get(h) == b and h not in dups:  # the common case, inlined
+                    bh[b] = None
+                    del cached[h]
+                    self.num_evictions += 1
+                else:
+                    self._evict(b)
+        return got
 
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]
@@ -174,12 +192,6 @@ class BlockPool:
             others.remove(b)
         if others is not None and not others:
             del self._dups[h]
-
-    def _compact(self) -> None:
-        """Drop consumed entries (positions stay global, so live entries stay valid)."""
-        self._base += self._head
-        del self._queue[: self._head]
-        self._head = 0
 
     def cache_full_block(self, block: int, h: int) -> None:
         """Mark a full block as holding chain hash ``h``; a block keeps its first hash."""
@@ -209,30 +221,29 @@ class BlockPool:
         Pass a request's blocks in reverse order (tail first) to get vLLM's eviction
         order.
         """
-        idx = np.fromiter(ordered_blocks, dtype=np.int64)
+        idx = np.array(ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks), dtype=np.int64)
         if not idx.size:
             return
+        if self._len + idx.size > len(self._queue):
+            self._rebuild()
         ref = self.ref
         ref[idx] -= 1
         zero = idx[ref[idx] == 0]
         if zero.size:
-            q = self._queue
-            p = self._base + len(q)
-            self._pos[zero] = np.arange(p, p + zero.size)
-            q.extend(zero.tolist())
+            p = self._len
+            self._queue[p : p + zero.size] = zero
+            self._pos[zero] = np.arange(self._base + p, self._base + p + zero.size)
+            self._len += zero.size
             self._num_free += int(zero.size)
-            if len(q) - self._head > 8 * self.num_blocks:
-                self._rebuild()
 
     def _rebuild(self) -> None:
-        """Rewrite the queue with live entries only (bounds memory when nothing is evicted)."""
-        ref, pos, base, q = self.ref, self._pos, self._base, self._queue
-        live = [b for i, b in enumerate(q[self._head :], self._head) if not ref[b] and pos[b] == base + i]
-        self._base += len(self._queue)
-        self._queue = live
+        """Pack the live entries at the queue's front (consumed and stale ones go)."""
+        live = self._queue[self._head + self._live(self._head, self._len)]
+        self._base += self._len
+        self._queue[: len(live)] = live
+        self._pos[live] = np.arange(self._base, self._base + len(live))
+        self._len = len(live)
         self._head = 0
-        for i, b in enumerate(live):
-            self._pos[b] = self._base + i
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (only allowed when no block is in use, as in vLLM)."""
