@@ -330,6 +330,23 @@ def test_x_worker_on_streamed_non_streamed_and_completions():
     run(body())
 
 
+def test_upstream_connections_are_kept_alive_and_reused():
+    async def body():
+        b = await Backend("b0").start()
+        gw = await started([b], "round_robin")
+        try:
+            async with aiohttp.ClientSession() as c:
+                for i in range(20):
+                    status, _, data = await send(c, gw.url, chat_body([{"role": "user", "content": "x"}], stream=i % 2 == 0))
+                    assert status == 200 and data
+            assert gw._pool.connections_made == 1
+        finally:
+            await gw.stop()
+            await b.stop()
+
+    run(body())
+
+
 def test_bad_requests_get_400_naming_the_problem():
     async def body():
         b = await Backend("b0").start()
@@ -740,8 +757,17 @@ def test_tcp_nodelay_on_both_sides():
         try:
             async with aiohttp.ClientSession() as c, c.get(gw.url + "/_nodelay") as r:
                 assert await r.json() != 0  # client -> gateway connection, gateway side
-            # a connection of the gateway's upstream connector, read while a stream is open
+            # the connections of the gateway's upstream pool (proxied requests), read
+            # while a stream is open, and of its aiohttp client (probes, /v1/models)
             body = chat_body([{"role": "user", "content": "x"}], test_chunks=2, test_delay_s=0.1)
+            async with aiohttp.ClientSession() as c, c.post(gw.url + "/v1/chat/completions", json=body) as r:
+                await r.content.readany()
+                conns = gw._pool.connections()
+                assert conns
+                for conn in conns:
+                    sock = conn.transport.get_extra_info("socket")
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+                await r.read()
             async with gw._client.post(b.url + "/v1/chat/completions", json=body) as r:
                 sock = r.connection.transport.get_extra_info("socket")
                 assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0

@@ -23,11 +23,18 @@ client aborts the client's connection, so the client sees an incomplete response
 never a truncated one that looks whole. Redis being down only costs the sharing of
 sessions (see :mod:`kvroute.live.sessions`).
 
-Sockets: aiohttp sets TCP_NODELAY on every connection it makes or accepts
-(``BaseProtocol.connection_made`` -> ``tcp_nodelay(transport, True)``, aiohttp 3.14,
-both the server's ``RequestHandler`` and the client's ``ResponseHandler``), and so does
-uvloop; the gateway sets it explicitly as well, on its listening socket (accepted
-sockets inherit it on Linux) and through the client connector's ``socket_factory``.
+Upstream requests go through :mod:`kvroute.live.upstream` (a lean HTTP/1.1 client on
+kept-alive connections: the request head and body in one send, the response parsed
+in one small protocol object), not aiohttp's ``ClientSession``, whose per-request
+machinery cost more CPU than the rest of the request path. The client's raw request
+headers are forwarded as bytes (hop-by-hop ones dropped); the body is forwarded as
+received, never re-serialised. aiohttp's client remains for the health probe and
+GET /v1/models.
+
+Sockets: TCP_NODELAY on every connection both ways: aiohttp sets it on accepted
+connections (``BaseProtocol.connection_made``), the gateway on its listening socket
+(accepted sockets inherit it on Linux), on its upstream connections
+(``Upstream.connection_made``) and through the aiohttp client's ``socket_factory``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import json
 import logging
 import signal
 import socket
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from time import perf_counter
@@ -47,9 +55,10 @@ import aiohttp
 import click
 import numpy as np
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 from yarl import URL
 
 from kvroute.live.aio import cancel_all
@@ -62,6 +71,7 @@ from kvroute.live.prefix import (
     PromptError,
 )
 from kvroute.live.sessions import SessionStore
+from kvroute.live.upstream import Upstream, UpstreamPool
 from kvroute.live.view import (
     DEFAULT_DECODE_S_PER_RUNNING,
     DEFAULT_PREFILL_S_PER_TOKEN,
@@ -82,6 +92,9 @@ _DROP_REQUEST = frozenset(
     for h in ("Host", "Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding",
               "TE", "Trailer", "Upgrade", "Proxy-Authorization", "Proxy-Connection")
 )
+#: the same, as the lower-case bytes of the client's raw headers (and Expect: the
+#: gateway has read the whole body before it sends, so 100-continue means nothing upstream)
+_DROP_REQUEST_RAW = frozenset(h.encode() for h in _DROP_REQUEST) | {b"expect"}
 _DROP_RESPONSE = frozenset(
     h.lower()
     for h in ("Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding", "TE",
@@ -154,15 +167,62 @@ class _UpstreamFailed(Exception):
 
 
 @dataclass(slots=True)
+class _Target:
+    """Where a worker's requests go: its address and the start of each request's head."""
+
+    host: str
+    port: int
+    tls: bool
+    heads: dict[str, bytes]  # path -> request line + Host header
+
+
+def _target(url: str) -> _Target:
+    u = URL(url)
+    tls = u.scheme == "https"
+    port = u.port or (443 if tls else 80)
+    host_header = u.host if u.is_default_port() else f"{u.host}:{port}"
+    if ":" in (u.host or "") and not host_header.startswith("["):  # IPv6 literal
+        host_header = f"[{u.host}]" + ("" if u.is_default_port() else f":{port}")
+    base = u.raw_path.rstrip("/")
+    heads = {
+        path: f"POST {base}{path} HTTP/1.1\r\nHost: {host_header}\r\n".encode("latin-1")
+        for path in (CHAT_PATH, COMPLETIONS_PATH)
+    }
+    return _Target(u.host, port, tls, heads)
+
+
+@dataclass(slots=True)
 class _Attempt:
-    response: aiohttp.ClientResponse
+    response: Upstream
     streaming: bool
     first: bytes  # streaming: the first chunk read; otherwise the whole body
     t_headers: float
 
 
+class _Histogram:
+    """A histogram as a list of bucket counts (exposed by :class:`_StateCollector`)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.sum += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        cumulative, total = [], 0
+        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts):
+            total += n
+            cumulative.append((bound, total))
+        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=self.sum)
+
+
 class _StateCollector:
-    """Gauges read from the gateway's counters at scrape time (no request-path cost)."""
+    """The gateway's counters, histograms and gauges, read at scrape time (no request-path cost)."""
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
@@ -172,6 +232,30 @@ class _StateCollector:
 
     def collect(self):
         gw = self.gw
+        requests = CounterMetricFamily(
+            "kvroute_gateway_requests", "requests answered, by worker and status "
+            "(HTTP status, or upstream_aborted / client_disconnected)", labels=["worker", "status"],
+        )
+        for (worker, status), n in sorted(gw._requests.items()):
+            requests.add_metric([worker, status], float(n))
+        yield requests
+        failures = CounterMetricFamily(
+            "kvroute_gateway_upstream_failures", "attempts that failed before a byte reached the "
+            "client (connect, send, read), by worker; the first of a request is retried elsewhere",
+            labels=["worker", "kind"],
+        )
+        for (worker, kind), n in sorted(gw._failures.items()):
+            failures.add_metric([worker, kind], float(n))
+        yield failures
+        yield gw._decision.family(
+            "kvroute_gateway_decision_seconds", "time of one routing decision "
+            "(view snapshot, policy.choose, recording)",
+        )
+        yield gw._added.family(
+            "kvroute_gateway_added_latency_seconds", "gateway time on a request's path "
+            "outside the upstream exchange: parsing, session lookup, decision, bookkeeping "
+            "before the upstream request, plus relaying the response head (and first chunk)",
+        )
         redis = GaugeMetricFamily(
             "kvroute_gateway_redis_up", "1 while the shared session store (Redis) answers; "
             "0 when it is down or not configured (routing from memory)"
@@ -250,37 +334,23 @@ class Gateway:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self._ids = itertools.count()
-        self._urls: dict[tuple[str, str], URL] = {}
-        self._client: aiohttp.ClientSession | None = None
+        self._targets = {s.name: _target(s.url) for s in self.view.state.values()}
+        self._client: aiohttp.ClientSession | None = None  # health probes, /v1/models
+        self._pool: UpstreamPool | None = None  # the proxied requests
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task] = []
         self.host: str | None = None
         self.port: int | None = None
 
+        # Metrics on the request path are plain ints and lists read at scrape time
+        # (_StateCollector): prometheus_client's Counter and Histogram take a lock and
+        # cost microseconds per call, which the request path need not pay.
         self.registry = CollectorRegistry()
-        self._requests = Counter(
-            "kvroute_gateway_requests", "requests answered, by worker and status "
-            "(HTTP status, or upstream_aborted / client_disconnected)",
-            ["worker", "status"], registry=self.registry,
-        )
-        self._failures = Counter(
-            "kvroute_gateway_upstream_failures", "attempts that failed before a byte reached the "
-            "client (connect, send, read), by worker; the first of a request is retried elsewhere",
-            ["worker", "kind"], registry=self.registry,
-        )
-        self._decision = Histogram(
-            "kvroute_gateway_decision_seconds", "time of one routing decision "
-            "(view snapshot, policy.choose, recording)", buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self._added = Histogram(
-            "kvroute_gateway_added_latency_seconds", "gateway time on a request's path "
-            "outside the upstream exchange: parsing, session lookup, decision, bookkeeping "
-            "before the upstream request, plus relaying the response head (and first chunk)",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )
+        self._requests: dict[tuple[str, str], int] = {}  # (worker, status) -> count
+        self._failures: dict[tuple[str, str], int] = {}  # (worker, kind) -> count
+        self._decision = _Histogram(_LATENCY_BUCKETS)
+        self._added = _Histogram(_LATENCY_BUCKETS)
         self.registry.register(_StateCollector(self))
-        self._counter_children: dict[tuple[str, str], object] = {}
 
         self.app = web.Application(client_max_size=64 * 2**20)
         self.app.router.add_post(CHAT_PATH, self._proxy)
@@ -297,6 +367,7 @@ class Gateway:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         """Connect the session store, start the probe and listen on ``host:port``."""
         await self.sessions.start()
+        self._pool = UpstreamPool(self.connect_timeout_s, self.read_timeout_s)
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=60.0,
             socket_factory=_nodelay_socket, ttl_dns_cache=None,
@@ -328,6 +399,9 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -336,10 +410,7 @@ class Gateway:
     # -- helpers ---------------------------------------------------------------------
     def _count(self, worker: str, status: str) -> None:
         key = (worker, status)
-        child = self._counter_children.get(key)
-        if child is None:
-            child = self._counter_children[key] = self._requests.labels(worker, status)
-        child.inc()
+        self._requests[key] = self._requests.get(key, 0) + 1
 
     def _error(self, status: int, message: str, kind: str, worker: str | None = None) -> web.Response:
         self._count(worker or "", str(status))
@@ -376,31 +447,28 @@ class Gateway:
         if self.view.mark_up(worker):
             log.warning("worker %s is up again", worker)
 
-    async def _attempt(self, worker: str, path: str, body: bytes, headers: dict, stream_hint: bool) -> _Attempt:
+    async def _attempt(self, worker: str, path: str, data: bytes, stream_hint: bool) -> _Attempt:
         """Send the request; read the head and the first chunk (or the whole body).
 
-        Raises :class:`_UpstreamFailed` for any failure before a byte is relayed.
+        ``data`` is the request after its request line and Host header (the forwarded
+        headers, Content-Length and the body). Raises :class:`_UpstreamFailed` for any
+        failure before a byte is relayed.
         """
-        url = self._urls.get((worker, path))
-        if url is None:  # parse each worker's URL once, not per request
-            url = self._urls[(worker, path)] = URL(self.view.state[worker].url + path)
+        t = self._targets[worker]
         try:
-            resp = await self._client.request("POST", url, data=body, headers=headers)
-        except aiohttp.ClientConnectorError as exc:
-            raise _UpstreamFailed("connect", exc, refused=True) from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise _UpstreamFailed("send", exc, refused=False) from exc
+            resp = await self._pool.request(t.host, t.port, t.heads[path] + data, t.tls)
+        except OSError as exc:  # UpstreamError: connect (refused), send or read
+            kind = getattr(exc, "kind", "send")
+            raise _UpstreamFailed(kind, exc, refused=getattr(exc, "refused", False)) from exc
+        except asyncio.TimeoutError as exc:
+            raise _UpstreamFailed("read", exc, refused=False) from exc
         t_headers = perf_counter()
-        ctype = resp.headers.get("Content-Type", "")
-        streaming = ctype.startswith("text/event-stream") or (
-            stream_hint and "Content-Length" not in resp.headers
+        streaming = resp.content_type.startswith("text/event-stream") or (
+            stream_hint and not resp.has_length
         )
         try:
-            if streaming:
-                first = await resp.content.readany()
-            else:
-                first = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            first = await (resp.read() if streaming else resp.read_all())
+        except (asyncio.TimeoutError, OSError) as exc:
             resp.close()
             raise _UpstreamFailed("read", exc, refused=False) from exc
         return _Attempt(resp, streaming, first, t_headers)
@@ -441,7 +509,10 @@ class Gateway:
         except NoWorkerUpError as exc:
             return self._error(503, str(exc), "no_worker_up")
 
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        data = b"".join([
+            *[k + b": " + v + b"\r\n" for k, v in request.raw_headers if k.lower() not in _DROP_REQUEST_RAW],
+            b"Content-Length: %d\r\n\r\n" % len(body), body,
+        ])
         stream_hint = payload.get("stream") is True
         flight = self.view.begin(worker, req, matched)
         t_pre = perf_counter() - t0
@@ -449,11 +520,12 @@ class Gateway:
         attempt: _Attempt | None = None
         while attempt is None:
             try:
-                attempt = await self._attempt(worker, path, body, headers, stream_hint)
+                attempt = await self._attempt(worker, path, data, stream_hint)
             except _UpstreamFailed as exc:
                 self.view.finish(flight)
                 tried.append(worker)
-                self._failures.labels(worker, exc.kind).inc()
+                key = (worker, exc.kind)
+                self._failures[key] = self._failures.get(key, 0) + 1
                 if exc.refused:
                     self._mark_down(worker, exc)
                 if len(tried) == 2:
@@ -480,18 +552,18 @@ class Gateway:
     ) -> web.StreamResponse:
         up = a.response
         self.view.first_byte(flight)
-        headers = {k: v for k, v in up.headers.items() if k.lower() not in _DROP_RESPONSE}
-        headers[WORKER_HEADER] = worker
-        status = str(up.status)
+        headers = [(k, v) for k, v in up.headers if k.lower() not in _DROP_RESPONSE]
+        headers.append((WORKER_HEADER, worker))
+        code = up.status
+        status = str(code)
         if not a.streaming:
             up.release()
-            resp = web.Response(body=a.first, status=up.status, headers=headers)
+            resp = web.Response(body=a.first, status=code, headers=headers)
             self._added.observe(t_pre + perf_counter() - a.t_headers)
             self._count(worker, status)
             return resp
-        resp = _RelayResponse(status=up.status, headers=headers)
+        resp = _RelayResponse(status=code, headers=headers)
         view = self.view
-        content = up.content
         chunk = a.first
         first = True
         try:
@@ -500,7 +572,7 @@ class Gateway:
                 if not chunk:  # upstream's end
                     await resp.write_eof()
                     break
-                last = content.at_eof()  # upstream already ended: one write with the end
+                last = up.at_eof()  # upstream already ended: one write with the end
                 if last:
                     await resp.write_eof(chunk)
                 else:
@@ -512,8 +584,8 @@ class Gateway:
                 if last:
                     break
                 try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                    chunk = await up.read()
+                except (asyncio.TimeoutError, OSError) as exc:
                     # bytes already reached the client: abort its connection so it
                     # sees an incomplete response, not a clean end
                     log.warning("worker %s failed mid-response on %s: %r", worker, request.path, exc)
@@ -528,6 +600,9 @@ class Gateway:
             return resp
         except asyncio.CancelledError:
             self._count(worker, "client_disconnected")
+            up.close()
+            raise
+        except BaseException:
             up.close()
             raise
         up.release()

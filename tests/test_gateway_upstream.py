@@ -1,0 +1,253 @@
+"""The gateway's upstream client (kvroute.live.upstream) against raw TCP servers on 127.0.0.1.
+
+The servers here are TEST SERVERS: asyncio servers that answer each request with bytes
+the test chose (split as the test chose), so framing, keep-alive and failures can be
+exercised exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.live.upstream import UpstreamError, UpstreamPool
+
+
+def run(coro, timeout: float = 20.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class RawServer:
+    """TEST SERVER: reads one request (head + Content-Length body), writes ``replies`` pieces.
+
+    ``replies`` is a list (one entry per request on a connection, the last repeated) of
+    lists of byte pieces, written with a short pause between them so they arrive apart.
+    ``close_after`` closes each connection after that many responses.
+    """
+
+    def __init__(self, replies, close_after: int | None = None, pause_s: float = 0.002) -> None:
+        self.replies = replies
+        self.close_after = close_after
+        self.pause_s = pause_s
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server = None
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                pieces = self.replies[min(served, len(self.replies) - 1)]
+                for i, piece in enumerate(pieces):
+                    if i and self.pause_s:
+                        await asyncio.sleep(self.pause_s)
+                    writer.write(piece)
+                    await writer.drain()
+                served += 1
+                if self.close_after is not None and served >= self.close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def start(self) -> RawServer:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        self.server.close()
+
+
+def request(body: bytes = b'{"x": 1}') -> bytes:
+    return b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+
+def chunked(*parts: bytes, trailer: bytes = b"") -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n" + trailer + b"\r\n"
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nX-Backend: b0\r\n\r\n"
+EVENTS = [b"data: {\"t\": %d}\n\n" % i for i in range(5)] + [b"data: [DONE]\n\n"]
+
+
+async def exchange(pool: UpstreamPool, srv: RawServer) -> tuple[int, list[tuple[str, str]], bytes, int]:
+    """One request: status, headers, the whole body, and how many reads it took."""
+    resp = await pool.request("127.0.0.1", srv.port, request())
+    reads, parts = 0, []
+    while True:
+        data = await resp.read()
+        if not data:
+            break
+        reads += 1
+        parts.append(data)
+    status, headers = resp.status, resp.headers
+    resp.release()
+    return status, headers, b"".join(parts), reads
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.binary(min_size=0, max_size=3))
+def test_chunked_bodies_decode_however_the_bytes_are_split(cuts, trailer_junk):
+    """The whole response (head, chunk framing, trailers) cut at arbitrary points."""
+    trailer = b"X-Trailer: 1\r\n" if trailer_junk else b""
+    raw = SSE_HEAD + chunked(*EVENTS, trailer=trailer)
+    pieces, pos = [], 0
+    for c in cuts:
+        if pos >= len(raw):
+            break
+        pieces.append(raw[pos : pos + c])
+        pos += c
+    if pos < len(raw):
+        pieces.append(raw[pos:])
+
+    async def body():
+        srv = await RawServer([pieces], pause_s=0.0005).start()
+        pool = UpstreamPool(read_timeout_s=5)
+        try:
+            for _ in range(2):  # the second on the same, kept-alive connection
+                status, headers, data, _ = await exchange(pool, srv)
+                assert status == 200 and ("X-Backend", "b0") in headers
+                assert data == b"".join(EVENTS)
+            assert srv.connections == 1 and pool.connections_made == 1
+        finally:
+            pool.close()
+            await srv.stop()
+
+    run(body())
+
+
+def test_events_arrive_one_read_each_when_sent_apart():
+    async def body():
+        pieces = [SSE_HEAD] + [chunked(e)[: -len(b"0\r\n\r\n")] for e in EVENTS] + [b"0\r\n\r\n"]
+        srv = await RawServer([pieces], pause_s=0.02).start()
+        pool = UpstreamPool()
+        try:
+            _, _, data, reads = await exchange(pool, srv)
+            assert data == b"".join(EVENTS) and reads == len(EVENTS)
+        finally:
+            pool.close()
+            await srv.stop()
+
+    run(body())
+
+
+def test_content_length_bodies_and_status_codes():
+    async def body():
+        ok = b'{"choices": []}'
+        replies = [
+            [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\n\r\n" % len(ok), ok[:5], ok[5:]],
+            [b"HTTP/1.1 404 Not Found\r\nContent-Length: 4\r\n\r\nnope"],
+            [b"HTTP/1.1 204 No Content\r\n\r\n"],
+        ]
+        srv = await RawServer(replies).start()
+        pool = UpstreamPool()
+        try:
+            got = [await exchange(pool, srv) for _ in range(3)]
+            assert [(g[0], g[2]) for g in got] == [(200, ok), (404, b"nope"), (204, b"")]
+            assert srv.connections == 1  # all three on one kept-alive connection
+        finally:
+            pool.close()
+            await srv.stop()
+
+    run(body())
+
+
+def test_a_body_delimited_by_the_connection_end():
+    async def body():
+        srv = await RawServer([[b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", b"abc", b"def"]],
+                              close_after=1).start()
+        pool = UpstreamPool()
+        try:
+            for _ in range(2):  # not reused: the next request opens a new connection
+                status, _, data, _ = await exchange(pool, srv)
+                assert status == 200 and data == b"abcdef"
+            assert srv.connections == 2
+        finally:
+            pool.close()
+            await srv.stop()
+
+    run(body())
+
+
+def test_connection_close_is_honoured_and_a_stale_kept_alive_connection_is_retried():
+    async def body():
+        reply = [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]
+        srv = await RawServer([reply], close_after=1).start()  # keeps alive in words, closes in deed
+        pool = UpstreamPool()
+        try:
+            for _ in range(3):
+                status, _, data, _ = await exchange(pool, srv)
+                assert (status, data) == (200, b"ok")
+            assert srv.connections == 3
+        finally:
+            pool.close()
+            await srv.stop()
+
+    run(body())
+
+
+def test_failures_name_their_kind():
+    async def body():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        pool = UpstreamPool(connect_timeout_s=1)
+        with pytest.raises(UpstreamError) as err:
+            await pool.request("127.0.0.1", port, request())
+        assert err.value.kind == "connect" and err.value.refused
+        # the worker dies halfway through a body
+        srv = await RawServer([[b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n", b"abc"]], close_after=1).start()
+        resp = await pool.request("127.0.0.1", srv.port, request())
+        assert await resp.read() == b"abc"
+        with pytest.raises(UpstreamError) as err:
+            await resp.read()
+        assert err.value.kind == "read" and not err.value.refused
+        resp.close()
+        # a worker that never answers: the read timeout
+        silent = await RawServer([[]]).start()
+        slow = UpstreamPool(read_timeout_s=0.2)
+        with pytest.raises(asyncio.TimeoutError):
+            await slow.request("127.0.0.1", silent.port, request())
+        # a malformed head
+        bad = await RawServer([[b"HTTP/1.1 abc\r\n\r\n"]]).start()
+        with pytest.raises(UpstreamError):
+            await pool.request("127.0.0.1", bad.port, request())
+        for x in (srv, silent, bad):
+            await x.stop()
+        pool.close()
+        slow.close()
+
+    run(body())
+
+
+def test_requests_are_sent_as_given_and_connections_set_tcp_nodelay():
+    async def body():
+        srv = await RawServer([[b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"]]).start()
+        pool = UpstreamPool()
+        try:
+            resp = await pool.request("127.0.0.1", srv.port, request(b'{"a": "b"}'))
+            sock = resp.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            resp.release()
+            assert srv.requests == [request(b'{"a": "b"}')]
+            assert pool.idle("127.0.0.1", srv.port) == 1
+        finally:
+            pool.close()
+            await srv.stop()
+
+    run(body())
