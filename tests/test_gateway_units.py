@@ -37,6 +37,19 @@ def test_hashes_of_an_extended_text_start_with_the_text_hashes(a, b, block_chars
     assert long[: len(short)] == short
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=400), st.integers(1, 80))
+def test_block_hashes_are_the_simulators_chained_hashes_of_the_chunks(text, block_chars):
+    from kvroute.kvcache.hashing import chain_hashes, text_key
+
+    n = block_chars
+    reference = chain_hashes((text_key(text[i : i + n]),) for i in range(0, len(text) - n + 1, n))
+    assert PrefixHasher(n).block_hashes(text) == reference
+    ascii_text = text.encode("ascii", "replace").decode()
+    reference = chain_hashes((text_key(ascii_text[i : i + n]),) for i in range(0, len(text) - n + 1, n))
+    assert PrefixHasher(n).block_hashes(ascii_text) == reference
+
+
 def test_a_later_chat_turn_extends_the_earlier_turn():
     h = PrefixHasher(64)
     sys_prompt = "S" * 1000

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvroute.kvcache.hashing import chain_hashes, text_key
+from kvroute.kvcache.hashing import DEFAULT_SEED, ROOT_HASH, chain_hashes, text_key
 
 DEFAULT_BLOCK_CHARS = 64  # llm-d's prefix scorer chunk
 DEFAULT_CHARS_PER_TOKEN = 4.0  # the usual English rule of thumb for BPE tokenizers
@@ -75,9 +76,28 @@ class PrefixHasher:
         return math.ceil(len(text) / self.chars_per_token)
 
     def block_hashes(self, text: str) -> list[int]:
-        """Chained hashes of the full ``block_chars`` chunks of ``text`` (tail dropped)."""
+        """Chained hashes of the full ``block_chars`` chunks of ``text`` (tail dropped).
+
+        The values of ``chain_hashes((text_key(chunk),) for chunk in chunks)``, computed
+        in one loop; ASCII text (the usual case) is encoded once and its byte chunks
+        are the character chunks.
+        """
         n = self.block_chars
-        return chain_hashes((text_key(text[i : i + n]),) for i in range(0, len(text) - n + 1, n))
+        end = len(text) - n + 1
+        if end <= 0:
+            return []
+        if text.isascii():
+            data = text.encode("ascii")
+            crc = zlib.crc32
+            seed = DEFAULT_SEED
+            parent = ROOT_HASH
+            out = []
+            append = out.append
+            for i in range(0, end, n):
+                parent = hash((seed, parent, (crc(data[i : i + n]),)))
+                append(parent)
+            return out
+        return chain_hashes((text_key(text[i : i + n]),) for i in range(0, end, n))
 
     def digest(self, path: str, body: Mapping) -> PromptDigest:
         """The :class:`PromptDigest` of a parsed request body sent to ``path``.

@@ -114,6 +114,10 @@ class GatewayView:
         self.session_lookup = session_lookup
         self.clock = clock
         self.now = clock()  # the decision time the index is read at; set by `snapshot`
+        # matches of the request being decided, per worker (a policy asks for each
+        # worker, the gateway again for the chosen one); emptied by snapshot and record
+        self._match_request: RouteRequest | None = None
+        self._matches: dict[str, int] = {}
 
     # -- the ClusterView protocol --------------------------------------------------
     @property
@@ -141,8 +145,18 @@ class GatewayView:
         )
 
     def matched_tokens(self, worker: str, request: RouteRequest) -> int:
-        n = self.index.match(worker, request.block_hashes, self.now)
-        return min(n * self.block_size, request.prompt_tokens)
+        if request is self._match_request:
+            n = self._matches.get(worker)
+            if n is not None:
+                return n
+        else:
+            self._match_request = request
+            self._matches = {}
+        n = self._matches[worker] = min(
+            self.index.match(worker, request.block_hashes, self.now) * self.block_size,
+            request.prompt_tokens,
+        )
+        return n
 
     def index_size(self, worker: str) -> int:
         return self.index.size(worker)
@@ -157,9 +171,11 @@ class GatewayView:
     def snapshot(self) -> None:
         """Fix the time the next decision reads the index at (call before ``choose``)."""
         self.now = self.clock()
+        self._match_request = None
 
     def record(self, worker: str, request: RouteRequest) -> None:
         """Record a decision in the approximate index (at the decision's time)."""
+        self._match_request = None
         self.index.record(worker, request.block_hashes, self.now)
 
     def begin(self, worker: str, request: RouteRequest, matched_tokens: int) -> Flight:
@@ -218,6 +234,7 @@ class GatewayView:
         s.down_since = self.clock()
         self.index.remove_worker(worker)
         self.index.add_worker(worker)
+        self._match_request = None
         return True
 
     def mark_up(self, worker: str) -> bool:
