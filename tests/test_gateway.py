@@ -347,6 +347,27 @@ def test_upstream_connections_are_kept_alive_and_reused():
     run(body())
 
 
+def test_expect_continue_and_json_that_only_pythons_parser_reads():
+    async def body():
+        b = await Backend("b0").start()
+        gw = await started([b], "round_robin")
+        try:
+            async with aiohttp.ClientSession() as c:
+                msgs = [{"role": "user", "content": "hi"}]
+                async with c.post(gw.url + "/v1/chat/completions", json=chat_body(msgs), expect100=True) as r:
+                    assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+                raw = json.dumps(chat_body(msgs, temperature=float("nan"))).encode()
+                assert b"NaN" in raw  # Python's json reads it, orjson does not
+                status, hdr, _ = await send(c, gw.url, raw)
+                assert status == 200 and hdr["X-Worker"] == "b0"
+                assert b.seen[-1][1]["messages"] == msgs
+        finally:
+            await gw.stop()
+            await b.stop()
+
+    run(body())
+
+
 def test_bad_requests_get_400_naming_the_problem():
     async def body():
         b = await Backend("b0").start()
