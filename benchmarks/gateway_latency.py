@@ -286,7 +286,8 @@ def main() -> None:
             procs.append(proc)
             router_proc[name] = proc
             urls[name] = lambda c, url=url: url
-        cpu = dict.fromkeys(urls, 0.0)
+        cpu = {(t, mode): 0.0 for t in urls for mode in ("sequential", "concurrent")}
+        client_cpu = dict.fromkeys(cpu, 0.0)
         results = {(t, mode): [] for t in urls for mode in ("sequential", "concurrent")}
         backend_procs = procs[:2]
         backend_cpu0 = sum(cpu_s(b) for b in backend_procs)
@@ -296,9 +297,10 @@ def main() -> None:
             order = list(urls) if rnd % 2 == 0 else list(urls)[::-1]
             for mode, n in (("sequential", args.sequential), ("concurrent", args.concurrent)):
                 for t in order:
-                    c0 = cpu_s(router_proc[t])
+                    c0, k0 = cpu_s(router_proc[t]), time.process_time()
                     results[(t, mode)] += asyncio.run(measure(urls[t], n, args.turns, mode == "concurrent", chat))
-                    cpu[t] += cpu_s(router_proc[t]) - c0
+                    cpu[(t, mode)] += cpu_s(router_proc[t]) - c0
+                    client_cpu[(t, mode)] += time.process_time() - k0
                     chat += n + 1
         wall = time.monotonic() - t_start
         backend_cpu = sum(cpu_s(b) for b in backend_procs) - backend_cpu0
@@ -329,9 +331,18 @@ def main() -> None:
     routers = [t for t in urls if t != "direct"]
     served = sum(len(r) + args.rounds for r in results.values())
     print(f"backends: {backend_cpu / served * 1e3:.3f} ms of backend CPU per request (reference)")
-    for t in routers:
-        n = sum(len(results[(t, m)]) + args.rounds for m in ("sequential", "concurrent"))
-        print(f"{t}: {cpu[t] / n * 1e3:.3f} ms of router CPU per request (all loads)")
+    print("CPU per request (ms; router: the router process, all its threads; client: this script, "
+          "the same for every target):")
+    print(f"  {'target':<13} {'router seq':>10} {'router conc':>11} {'router all':>10} "
+          f"{'client seq':>10} {'client conc':>11}")
+    for t in urls:
+        n = {m: len(results[(t, m)]) + args.rounds for m in ("sequential", "concurrent")}
+        r = {m: cpu[(t, m)] / n[m] * 1e3 for m in n}
+        k = {m: client_cpu[(t, m)] / n[m] * 1e3 for m in n}
+        r_all = sum(cpu[(t, m)] for m in n) / sum(n.values()) * 1e3
+        router = (f"{r['sequential']:>10.3f} {r['concurrent']:>11.3f} {r_all:>10.3f}" if t != "direct"
+                  else f"{'-':>10} {'-':>11} {'-':>10}")
+        print(f"  {t:<13} {router} {k['sequential']:>10.3f} {k['concurrent']:>11.3f}")
     print("ratios (TTFT through the router / direct, p50 and p99):")
     for mode in ("sequential", "concurrent"):
         d = [x[0] for x in results[("direct", mode)]]

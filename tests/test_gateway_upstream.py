@@ -251,3 +251,24 @@ def test_requests_are_sent_as_given_and_connections_set_tcp_nodelay():
             await srv.stop()
 
     run(body())
+
+
+def test_large_bodies_pause_and_resume_the_worker_socket():
+    async def body():
+        big = bytes(range(256)) * 8192  # 2 MiB, far past the pause mark
+        replies = [[b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big), big],
+                   [SSE_HEAD, chunked(big[:1_000_000], big[1_000_000:])]]
+        srv = await RawServer(replies).start()
+        pool = UpstreamPool()
+        try:
+            for _ in range(2):
+                resp = await pool.request("127.0.0.1", srv.port, request())
+                await asyncio.sleep(0.2)  # let it buffer (and pause) before reading
+                assert await resp.read_all() == big
+                resp.release()
+            assert srv.connections == 1
+        finally:
+            pool.close()
+            await srv.stop()
+
+    run(body())
