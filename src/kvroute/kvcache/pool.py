@@ -95,9 +95,11 @@ class BlockPool:
                 hi = mid - 1
         return lo
 
-    def match(self, hashes: Sequence[int]) -> list[int]:
-        """Block ids of the cached leading run of a hash chain (no side effects)."""
-        return list(map(self.cached.__getitem__, hashes[: self.num_cached_blocks(hashes)]))
+    def match(self, hashes: Sequence[int]) -> np.ndarray:
+        """Block ids of the cached leading run of a hash chain (no side effects), as an
+        array: the caller counts, touches and keeps them, converting once."""
+        n = self.num_cached_blocks(hashes)
+        return np.fromiter(map(self.cached.__getitem__, hashes[:n]), dtype=np.int64, count=n)
 
     def get_cached_block(self, h: int) -> int | None:
         return self.cached.get(h)
@@ -107,7 +109,7 @@ class BlockPool:
         cached = self.cached
         return [cached[h] for h in hashes]
 
-    def num_idle(self, blocks: Sequence[int]) -> int:
+    def num_idle(self, blocks: Sequence[int] | np.ndarray) -> int:
         """How many of ``blocks`` sit in the free queue (touching them uses free room)."""
         if not len(blocks):
             return 0
@@ -120,7 +122,7 @@ class BlockPool:
         self.touch_blocks(ids)
         return ids
 
-    def touch_blocks(self, blocks: Sequence[int]) -> None:
+    def touch_blocks(self, blocks: Sequence[int] | np.ndarray) -> None:
         """Take a reference on distinct blocks; idle ones leave the free queue (their entry goes stale)."""
         if not len(blocks):
             return

@@ -102,7 +102,7 @@ class SimView:
         self.c = cluster
         self.exact = exact
         self.block_size = cluster.hw.engine.block_size
-        self._index = {w: i for i, w in enumerate(cluster.workers)}
+        self._index = cluster.worker_index
 
     @property
     def workers(self) -> Sequence[str]:
@@ -169,6 +169,8 @@ class SimCluster:
             for w in self.workers
         ]
         self.drivers = [WorkerDriver(self.env, e, self, hw.gpu_of(i)) for i, e in enumerate(self.engines)]
+        self._peers = {d.gpu: [p for p in self.drivers if p.gpu == d.gpu] for d in self.drivers}
+        self.worker_index = {w: i for i, w in enumerate(self.workers)}  # worker name -> position
         self.in_flight = [0] * len(self.workers)
         self.in_transit_tokens = [0] * len(self.workers)
         self.sessions: dict[str, str] = {}
@@ -183,7 +185,7 @@ class SimCluster:
 
     # -- device sharing -----------------------------------------------------------
     def device_load_changed(self, driver: WorkerDriver) -> None:
-        peers = [d for d in self.drivers if d.gpu == driver.gpu]
+        peers = self._peers[driver.gpu]
         if len(peers) == 1:
             return
         share = float(max(1, sum(d.busy for d in peers)))
@@ -201,7 +203,7 @@ class SimCluster:
         bs = self.hw.engine.block_size
         req = RouteRequest(f"r{rid}", conv.id, turn, prompt, hashes[: prompt // bs])
         worker = self.policy.choose(req, self.view)
-        i = self.workers.index(worker)
+        i = self.worker_index[worker]
         self.sessions[conv.id] = worker
         if not self.view.exact:  # the exact view reads the engines; no index to keep
             self.index.record(worker, req.block_hashes, env.now)

@@ -155,41 +155,40 @@ class Engine:
         Returns (requests that produced their first token, requests that finished).
         """
         bs = self.block_size
-        ends = plan.ends
-        end_s = start_s + float(ends[steps - 1])
-        self.busy_s += float(ends[steps - 1])
+        run_s = float(plan.ends[steps - 1])
+        end_s = start_s + run_s
+        self.busy_s += run_s
         first, done = [], []
         if plan.decode_only:
             for r, _ in plan.sched:
-                # step 1's block was taken by _schedule; plan() checked the rest fit
-                if steps > 1 and r.num_computed + steps > len(r.blocks) * bs:
-                    self._grow(r, r.num_computed + steps)
-                r.num_computed += steps
+                c = r.num_computed + steps
+                if c > len(r.blocks) * bs:  # step 1's block was taken by _schedule; plan() checked the rest fit
+                    self._grow(r, c)
+                r.num_computed = c
                 r.num_generated += steps
-                if r.num_computed // bs > r.num_cached_blocks:
+                if c // bs > r.num_cached_blocks:
                     self._cache_blocks(r, bs)
                 if r.num_generated >= r.output_tokens:
                     r.finish_s = end_s
                     done.append(r)
         else:
             for r, n in plan.sched:
-                if r.prefilling:
-                    r.num_computed += n
-                    if not r.prefilling:
-                        r.num_generated = 1
-                        r.first_token_s = end_s
-                        first.append(r)
-                else:
-                    r.num_computed += n
+                c = r.num_computed + n
+                r.num_computed = c
+                if c - n >= r.prompt_tokens:
                     r.num_generated += 1
-                if r.num_computed // bs > r.num_cached_blocks:
+                elif c >= r.prompt_tokens:  # this step computed the last prompt token
+                    r.num_generated = 1
+                    r.first_token_s = end_s
+                    first.append(r)
+                if c // bs > r.num_cached_blocks:
                     self._cache_blocks(r, bs)
                 if r.num_generated >= r.output_tokens:
                     r.finish_s = end_s
                     done.append(r)
         for r in done:
             self.running.remove(r)
-            self.pool.free_blocks(reversed(r.blocks))
+            self.pool.free_blocks(r.blocks[::-1])
             r.blocks = []
         return first, done
 
@@ -217,7 +216,7 @@ class Engine:
 
     def _preempt(self, victim: EngineRequest) -> None:
         self.running.remove(victim)
-        self.pool.free_blocks(reversed(victim.blocks))
+        self.pool.free_blocks(victim.blocks[::-1])
         victim.blocks = []
         victim.num_cached_blocks = 0
         victim.num_computed = 0
@@ -237,23 +236,25 @@ class Engine:
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
-            if r.num_computed < r.prompt_tokens:
-                n = min(r.prompt_tokens - r.num_computed, budget)
+            c = r.num_computed
+            n = r.prompt_tokens - c
+            if n > 0:
+                if n > budget:
+                    n = budget
                 has_prefill = True
             else:
                 n = 1
-            while r.num_computed + n > len(r.blocks) * bs and not self._grow(r, r.num_computed + n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
+            if c + n > len(r.blocks) * bs:  # needs a block: preempt from the tail until one is free
+                victim = None
+                while victim is not r and not self._grow(r, c + n):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    preempted = True
                 if victim is r:
                     break
-            else:
-                sched.append((r, n))
-                budget -= n
-                i += 1
-                continue
-            break  # r itself was preempted
+            sched.append((r, n))
+            budget -= n
+            i += 1
         self._has_prefill = has_prefill
         if preempted:
             return sched
@@ -269,7 +270,7 @@ class Engine:
                 if need + pool.num_idle(hit_blocks) > pool.num_free_blocks:
                     break  # FCFS: later requests wait behind this one, as in vLLM
                 pool.touch_blocks(hit_blocks)
-                r.blocks = hit_blocks
+                r.blocks = hit_blocks.tolist()
                 r.num_cached_blocks = hit
                 r.num_computed = hit_tokens
                 if r.cached_tokens < 0:
