@@ -368,6 +368,94 @@ def test_expect_continue_and_json_that_only_pythons_parser_reads():
     run(body())
 
 
+def test_raw_http_pipelining_close_chunked_bodies_and_malformed_heads():
+    """The fast front end serves plain POSTs itself and hands everything else to aiohttp."""
+
+    async def body():
+        b = await Backend("b0").start()
+        gw = await started([b], "round_robin")
+
+        async def exchange(raw: bytes, until_close: bool = False, answers: int = 1) -> bytes:
+            reader, writer = await asyncio.open_connection(gw.host, gw.port)
+            writer.write(raw)
+            await writer.drain()
+            data = b""
+            try:
+                while True:
+                    part = await asyncio.wait_for(reader.read(65536), 5)
+                    if not part:
+                        break
+                    data += part
+                    if not until_close and data.count(b"data: [DONE]") + data.count(b'"error"') >= answers:
+                        break
+            finally:
+                writer.close()
+            return data
+
+        def post(body: dict, path: str = "/v1/chat/completions", extra: bytes = b"") -> bytes:
+            raw = json.dumps(body).encode()
+            return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n"
+                    % (path.encode(), extra, len(raw)) + raw)
+
+        try:
+            msgs = [{"role": "user", "content": "hi"}]
+            # two requests in one write: two answers, in order, on one connection
+            data = await exchange(post(chat_body(msgs, test_chunks=1)) + post(chat_body(msgs, test_chunks=2)), answers=2)
+            assert data.count(b"HTTP/1.1 200 OK") == 2 and data.count(b"X-Worker: b0") == 2
+            assert data.index(b"t0 ") < data.index(b"HTTP/1.1 200", 10) < data.rindex(b"t1 ")
+            # Connection: close is honoured
+            data = await exchange(post(chat_body(msgs), extra=b"Connection: close\r\n"), until_close=True)
+            assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"0\r\n\r\n")
+            # a chunked request body (aiohttp's side reads it)
+            raw = json.dumps(chat_body(msgs, stream=False)).encode()
+            chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(raw), raw)
+            data = await exchange(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                                  b"Connection: close\r\n\r\n" + chunked, until_close=True)
+            assert data.startswith(b"HTTP/1.1 200") and b'"backend": "b0"' in data
+            # a header with a bare LF, and a GET on a proxied path: aiohttp's answers
+            data = await exchange(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\nX-A: b\r\nContent-Length: 2\r\n\r\n{}",
+                                  until_close=True)
+            assert data.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request")
+            data = await exchange(b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                                  until_close=True)
+            assert data.startswith(b"HTTP/1.1 405")
+            # a body of most of a MiB (the test backend takes at most 1 MiB), arriving in many reads
+            big = chat_body([{"role": "user", "content": "x" * 800_000}], stream=False, user="big")
+            data = await exchange(post(big, extra=b"Connection: close\r\n"), until_close=True)
+            assert data.startswith(b"HTTP/1.1 200") and b'"backend": "b0"' in data
+            assert len(b.seen) == 5 and b.seen[-1][1] == big
+        finally:
+            await gw.stop()
+            await b.stop()
+
+    run(body())
+
+
+@pytest.mark.parametrize("fast_front", [True, False])
+def test_both_front_ends_relay_streams_errors_and_whole_bodies(fast_front):
+    async def body():
+        b = await Backend("b0", chunks=4, delay_s=0.01).start()
+        gw = await started([b], "round_robin", fast_front=fast_front)
+        try:
+            async with aiohttp.ClientSession() as c:
+                msgs = [{"role": "user", "content": "hi"}]
+                status, hdr, data = await send(c, gw.url, chat_body(msgs))
+                assert status == 200 and hdr["X-Worker"] == "b0" and hdr["Content-Type"].startswith("text/event-stream")
+                assert data.count(b"data: ") == 5 and data.endswith(b"data: [DONE]\n\n")
+                status, hdr, data = await send(c, gw.url, chat_body(msgs, stream=False))
+                assert status == 200 and json.loads(data)["backend"] == "b0"
+                assert hdr["Content-Length"] == str(len(data))
+                status, _, data = await send(c, gw.url, b"{not json")
+                assert status == 400 and "malformed JSON" in json.loads(data)["error"]["message"]
+                counted = await metric(c, gw.url, "kvroute_gateway_requests_total")
+                assert counted == {'{status="200",worker="b0"}': 2.0, '{status="400",worker=""}': 1.0}
+        finally:
+            await gw.stop()
+            await b.stop()
+
+    run(body())
+
+
 def test_bad_requests_get_400_naming_the_problem():
     async def body():
         b = await Backend("b0").start()

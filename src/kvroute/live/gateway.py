@@ -23,6 +23,15 @@ client aborts the client's connection, so the client sees an incomplete response
 never a truncated one that looks whole. Redis being down only costs the sharing of
 sessions (see :mod:`kvroute.live.sessions`).
 
+Front end: the listening socket is served by :class:`_ClientConnection`, which parses
+plain proxied POSTs itself (request line, headers, a Content-Length body) and writes
+the relayed response straight to the transport; any other request (GET /health,
+/metrics, /v1/models, chunked bodies, ``Expect``, malformed heads) hands its
+connection to aiohttp's request handler, which serves it with the application's
+routes (``fast_front=False`` serves everything through aiohttp). Per request, aiohttp's
+server machinery (its Request and StreamResponse objects, per-connection task loop)
+cost about a quarter of the gateway's CPU.
+
 Upstream requests go through :mod:`kvroute.live.upstream` (a lean HTTP/1.1 client on
 kept-alive connections: the request head and body in one send, the response parsed
 in one small protocol object), not aiohttp's ``ClientSession``, whose per-request
@@ -49,7 +58,8 @@ import socket
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from time import perf_counter
+from http import HTTPStatus
+from time import monotonic, perf_counter
 
 import aiohttp
 import click
@@ -102,6 +112,13 @@ _DROP_RESPONSE = frozenset(
     for h in ("Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding", "TE",
               "Trailer", "Upgrade", "Date", "Server")
 )
+#: the fast front end forwards the worker's Date (it adds none of its own, unlike aiohttp)
+_DROP_RESPONSE_FAST = _DROP_RESPONSE - {"date"}
+_PROXIED_RAW = {CHAT_PATH.encode(): CHAT_PATH, COMPLETIONS_PATH.encode(): COMPLETIONS_PATH}
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_NO_BODY_STATUS = frozenset((204, 304))
+_MAX_REQUEST_HEAD = 64 * 1024
+_IDLE_CLOSE_S = 75.0  # a kept-alive client connection idle this long is closed (aiohttp's default)
 _LATENCY_BUCKETS = (
     5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0
 )
@@ -217,6 +234,16 @@ def _target(url: str) -> _Target:
 
 
 @dataclass(slots=True)
+class _Failure:
+    """A request answered by the gateway itself (400, 502, 503)."""
+
+    status: int
+    message: str
+    kind: str
+    worker: str | None = None
+
+
+@dataclass(slots=True)
 class _Attempt:
     response: Upstream
     streaming: bool
@@ -302,6 +329,287 @@ class _StateCollector:
             yield fam
 
 
+class _ClientConnection(asyncio.Protocol):
+    """The fast front end: one client connection, its proxied POSTs parsed and answered here.
+
+    A request that is a ``POST`` of a proxied path over HTTP/1.1 with a
+    ``Content-Length`` body (what the load generator, the OpenAI clients and the
+    benchmarks send) is routed by :meth:`Gateway._route` and relayed straight to the
+    transport: the response head and the first chunk in one write, chunked encoding
+    for streams, ``Content-Length`` otherwise. Anything else (another method or path,
+    ``Transfer-Encoding``, ``Expect``, a malformed or oversized head, an empty body) hands
+    the connection, with the bytes not yet consumed, to aiohttp's ``RequestHandler``
+    for good, so /health, /metrics, /v1/models, errors and every HTTP corner behave as
+    aiohttp makes them. Requests on a connection are served one at a time, in order.
+    """
+
+    __slots__ = (
+        "gw", "transport", "buf", "busy", "closed", "task", "upstream", "write_paused",
+        "read_paused", "drain", "last",
+    )
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.busy = False
+        self.closed = False
+        self.task: asyncio.Task | None = None
+        self.upstream: Upstream | None = None
+        self.write_paused = False
+        self.read_paused = False
+        self.drain: asyncio.Future | None = None
+        self.last = monotonic()
+
+    # -- asyncio.Protocol ----------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.gw._conns.add(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closed = True
+        self.gw._conns.discard(self)
+        if self.upstream is not None:
+            self.upstream.close()  # the relay stops; the worker sees the request dropped
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        d = self.drain
+        if d is not None:
+            self.drain = None
+            if not d.done():
+                d.set_result(None)
+
+    async def _drained(self) -> None:
+        if self.write_paused and not self.closed:
+            self.drain = asyncio.get_running_loop().create_future()
+            await self.drain
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        if not buf:
+            self.buf = data
+        elif type(buf) is bytearray:
+            buf += data
+        elif len(buf) + len(data) > _MAX_REQUEST_HEAD:  # a large body: append in place
+            self.buf = bytearray(buf)
+            self.buf += data
+        else:
+            self.buf = buf + data
+        if not self.busy:
+            self._next()
+        elif len(self.buf) > _MAX_REQUEST_HEAD and not self.read_paused:
+            self.read_paused = True  # a client sending ahead: wait for the current answer
+            self.transport.pause_reading()
+
+    # -- requests ------------------------------------------------------------------
+    def _next(self) -> None:
+        """Start the buffered request if it is complete (or hand over what is not ours)."""
+        buf = self.buf
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > _MAX_REQUEST_HEAD:
+                self._handover()
+            return
+        head = bytes(buf[:end]) if type(buf) is bytearray else buf[:end]
+        lines = head.split(b"\r\n")
+        if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
+            self._handover()  # a bare CR or LF: aiohttp answers 400
+            return
+        request_line = lines[0].split(b" ")
+        if len(request_line) != 3 or request_line[0] != b"POST" or request_line[2] != b"HTTP/1.1":
+            self._handover()
+            return
+        path = _PROXIED_RAW.get(request_line[1])
+        if path is None:
+            self._handover()
+            return
+        length = -1
+        sid = None
+        keep_alive = True
+        headers = []
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep or not name or name[-1] in b" \t" or name[0] in b" \t":
+                self._handover()
+                return
+            value = value.strip(b" \t")
+            n = name.lower()
+            if n == b"content-length":
+                if length >= 0 or not value.isdigit():
+                    self._handover()
+                    return
+                length = int(value)
+            elif n in (b"transfer-encoding", b"expect", b"upgrade"):
+                self._handover()
+                return
+            elif n == b"connection":
+                if b"close" in value.lower():
+                    keep_alive = False
+            elif n == b"x-session-id" and sid is None:
+                sid = value.decode("utf-8", "surrogateescape")
+            headers.append((name, value))
+        if length <= 0 or length > self.gw.client_max_size:
+            self._handover()  # aiohttp answers a missing body or one too large
+            return
+        total = end + 4 + length
+        if len(buf) < total:
+            return  # the rest of the body is on its way
+        body = bytes(buf[end + 4 : total])
+        self.buf = buf[total:] if total < len(buf) else b""
+        self.busy = True
+        self.task = asyncio.get_running_loop().create_task(
+            self._serve(path, headers, body, sid, keep_alive, perf_counter())
+        )
+
+    def _handover(self) -> None:
+        """Give the connection (and the bytes not consumed) to aiohttp for good."""
+        self.gw._conns.discard(self)
+        server = self.gw._runner.server if self.gw._runner is not None else None
+        transport = self.transport
+        if server is None or self.closed:
+            transport.close()
+            return
+        handler = server()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self.read_paused:
+            self.read_paused = False
+            transport.resume_reading()
+        buf, self.buf = self.buf, b""
+        if buf:
+            handler.data_received(bytes(buf))
+
+    async def _serve(self, path: str, headers: list, body: bytes, sid: str | None,
+                     keep_alive: bool, t0: float) -> None:
+        gw = self.gw
+        try:
+            r = await gw._route(path, headers, body, sid, t0)
+            if type(r) is _Failure:
+                self._fail(r, keep_alive)
+            else:
+                attempt, worker, flight, t_pre = r
+                try:
+                    keep_alive = await self._relay(attempt, worker, flight, t_pre, keep_alive) and keep_alive
+                finally:
+                    gw.view.finish(flight)
+        except asyncio.CancelledError:
+            keep_alive = False
+            raise
+        except Exception:
+            log.exception("request on %s failed in the gateway", path)
+            keep_alive = False
+        finally:
+            self.busy = False
+            self.task = None
+            self.last = monotonic()
+            if not self.closed:
+                if not keep_alive:
+                    self.transport.close()
+                else:
+                    if self.read_paused:
+                        self.read_paused = False
+                        self.transport.resume_reading()
+                    if self.buf:
+                        self._next()
+
+    def _fail(self, f: _Failure, keep_alive: bool) -> None:
+        self.gw._count(f.worker or "", str(f.status))
+        if self.closed:
+            return
+        body = json.dumps({"error": {"message": f.message, "type": f.kind, "code": f.status}}).encode()
+        head = b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n" % (
+            f.status, _REASONS.get(f.status, b"Error"), len(body))
+        if f.worker:
+            head += f"{WORKER_HEADER}: {f.worker}\r\n".encode("utf-8", "surrogateescape")
+        if not keep_alive:
+            head += b"Connection: close\r\n"
+        self.transport.write(head + b"\r\n" + body)
+
+    async def _relay(self, a: _Attempt, worker: str, flight: Flight, t_pre: float, keep_alive: bool) -> bool:
+        """Relay the answered attempt; False when the connection cannot be kept."""
+        gw = self.gw
+        up = a.response
+        gw.view.first_byte(flight)
+        code = up.status
+        status = str(code)
+        head = [b"HTTP/1.1 %d %s\r\n" % (code, _REASONS.get(code, b"Unknown"))]
+        head += [f"{k}: {v}\r\n".encode("latin-1") for k, v in up.headers if k.lower() not in _DROP_RESPONSE_FAST]
+        head.append(gw._worker_header[worker])
+        if not keep_alive:
+            head.append(b"Connection: close\r\n")
+        transport = self.transport
+        if not a.streaming:
+            up.release()
+            body = a.first
+            if code not in _NO_BODY_STATUS:
+                head.append(b"Content-Length: %d\r\n" % len(body))
+            if self.closed:
+                gw._count(worker, "client_disconnected")
+                return False
+            head.append(b"\r\n")
+            head.append(body)
+            transport.write(b"".join(head))  # head and body: one write
+            gw._added.observe(t_pre + perf_counter() - a.t_headers)
+            gw._count(worker, status)
+            return True
+        head.append(b"Transfer-Encoding: chunked\r\n\r\n")
+        prefix = b"".join(head)
+        view = gw.view
+        chunk = a.first
+        first = True
+        self.upstream = up
+        try:
+            while True:
+                if self.closed:
+                    gw._count(worker, "client_disconnected")
+                    up.close()  # the worker aborts the request
+                    return False
+                if not chunk:  # the worker's end
+                    transport.write(prefix + b"0\r\n\r\n")
+                    break
+                last = up.at_eof()  # the worker already ended: one write with the end
+                transport.write(b"".join(
+                    (prefix, b"%x\r\n" % len(chunk), chunk, b"\r\n0\r\n\r\n" if last else b"\r\n")
+                ))
+                prefix = b""
+                if first:  # the head went out with the first chunk
+                    gw._added.observe(t_pre + perf_counter() - a.t_headers)
+                    first = False
+                view.add_output(flight, chunk.count(b"data:"))
+                if last:
+                    break
+                if self.write_paused:
+                    await self._drained()
+                try:
+                    chunk = await up.read()
+                except (asyncio.TimeoutError, OSError) as exc:
+                    if self.closed:
+                        continue  # counted above, as a client that left
+                    # bytes already reached the client: abort its connection so it
+                    # sees an incomplete response, not a clean end
+                    log.warning("worker %s failed mid-response on %s: %r", worker, "the stream", exc)
+                    gw._count(worker, "upstream_aborted")
+                    up.close()
+                    transport.abort()
+                    return False
+        except BaseException:
+            up.close()
+            raise
+        finally:
+            self.upstream = None
+        up.release()
+        gw._count(worker, status)
+        return True
+
+
 class Gateway:
     """One gateway: policy, view, session store, HTTP server and client.
 
@@ -318,6 +626,8 @@ class Gateway:
         read_timeout_s: longest silence from an upstream before the request fails.
         index_ttl_s / index_capacity_blocks: the approximate prefix index's bounds.
         session_kwargs: extra :class:`SessionStore` arguments (tests).
+        fast_front: serve proxied POSTs with :class:`_ClientConnection` (False: aiohttp
+            serves every request, as the gateway's own handler; tests compare both).
 
     Use ``await start(host, port)`` / ``await stop()`` inside a running loop, or
     :func:`run_gateway` from a command line.
@@ -341,6 +651,7 @@ class Gateway:
         index_ttl_s: float = 120.0,
         index_capacity_blocks: int | None = None,
         session_kwargs: dict | None = None,
+        fast_front: bool = True,
     ) -> None:
         pairs = [parse_worker(w) if isinstance(w, str) else tuple(w) for w in workers]
         self.policy = make_policy(policy, np.random.default_rng(seed))
@@ -362,6 +673,14 @@ class Gateway:
         self._targets = {s.name: _target(s.url) for s in self.view.state.values()}
         self._client: aiohttp.ClientSession | None = None  # health probes, /v1/models
         self._pool: UpstreamPool | None = None  # the proxied requests
+        self.fast_front = fast_front
+        self.client_max_size = 64 * 2**20
+        self._server: asyncio.AbstractServer | None = None  # the fast front end's listener
+        self._conns: set[_ClientConnection] = set()
+        self._answered: dict[str, float] = {}  # worker -> perf_counter of its latest response head
+        self._worker_header = {
+            name: f"{WORKER_HEADER}: {name}\r\n".encode("utf-8", "surrogateescape") for name in self.view.state
+        }
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task] = []
         self.host: str | None = None
@@ -377,7 +696,7 @@ class Gateway:
         self._added = _Histogram(_LATENCY_BUCKETS)
         self.registry.register(_StateCollector(self))
 
-        self.app = web.Application(client_max_size=64 * 2**20)
+        self.app = web.Application(client_max_size=self.client_max_size)
         self.app.router.add_post(CHAT_PATH, self._proxy)
         self.app.router.add_post(COMPLETIONS_PATH, self._proxy)
         self.app.router.add_get("/health", self._health)
@@ -414,7 +733,11 @@ class Gateway:
             server.request_handler = self._dispatch
         sock = listen_socket(host, port)
         self.host, self.port = host, sock.getsockname()[1]
-        await web.SockSite(self._runner, sock).start()
+        if self.fast_front:
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(lambda: _ClientConnection(self), sock=sock)
+        else:
+            await web.SockSite(self._runner, sock).start()
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="gateway-health-probe"))
         log.info(
             "gateway on %s: policy %s, workers %s, redis %s",
@@ -426,6 +749,13 @@ class Gateway:
         """Stop listening, the probe, the client and the session store."""
         await cancel_all(self._tasks)
         self._tasks = []
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            conn.transport.close()
+        await cancel_all([c.task for c in conns if c.task is not None])
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -492,7 +822,7 @@ class Gateway:
             raise _UpstreamFailed(kind, exc, refused=getattr(exc, "refused", False)) from exc
         except asyncio.TimeoutError as exc:
             raise _UpstreamFailed("read", exc, refused=False) from exc
-        t_headers = perf_counter()
+        t_headers = self._answered[worker] = perf_counter()
         streaming = resp.content_type.startswith("text/event-stream") or (
             stream_hint and not resp.has_length
         )
@@ -514,25 +844,41 @@ class Gateway:
         return await self._app_handle(request)
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
+        """The aiohttp front end of :meth:`_route` (the fast one is :class:`_ClientConnection`)."""
         t0 = perf_counter()
         body = await request.read()
+        r = await self._route(request.path, request.raw_headers, body, request.headers.get(SESSION_HEADER), t0)
+        if type(r) is _Failure:
+            return self._error(r.status, r.message, r.kind, r.worker)
+        attempt, worker, flight, t_pre = r
+        try:
+            return await self._relay(request, attempt, worker, flight, t_pre)
+        finally:
+            self.view.finish(flight)
+
+    async def _route(
+        self, path: str, raw_headers: Sequence[tuple[bytes, bytes]], body: bytes,
+        sid: str | None, t0: float,
+    ) -> _Failure | tuple[_Attempt, str, Flight, float]:
+        """Parse, route and send a request; returns the answered attempt or a failure.
+
+        The caller relays the attempt and then calls ``view.finish(flight)``.
+        """
         if not body:
-            return self._error(400, "missing request body: send a JSON object", "missing_body")
+            return _Failure(400, "missing request body: send a JSON object", "missing_body")
         try:
             payload = _loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
-            return self._error(400, f"malformed JSON in request body: {exc}", "malformed_json")
+            return _Failure(400, f"malformed JSON in request body: {exc}", "malformed_json")
         if not isinstance(payload, dict):
-            return self._error(
+            return _Failure(
                 400, f"request body must be a JSON object, got {type(payload).__name__}",
                 "invalid_request_error",
             )
-        path = request.path
         try:
             digest = self.hasher.digest(path, payload)
         except PromptError as exc:
-            return self._error(400, str(exc), "invalid_request_error")
-        sid = request.headers.get(SESSION_HEADER)
+            return _Failure(400, str(exc), "invalid_request_error")
         if not sid:
             user = payload.get("user")
             sid = user if isinstance(user, str) and user else None
@@ -546,10 +892,10 @@ class Gateway:
         try:
             worker, matched = self._decide(req, known)
         except NoWorkerUpError as exc:
-            return self._error(503, str(exc), "no_worker_up")
+            return _Failure(503, str(exc), "no_worker_up")
 
         data = b"".join([
-            *[k + b": " + v + b"\r\n" for k, v in request.raw_headers if k.lower() not in _DROP_REQUEST_RAW],
+            *[k + b": " + v + b"\r\n" for k, v in raw_headers if k.lower() not in _DROP_REQUEST_RAW],
             b"Content-Length: %d\r\n\r\n" % len(body), body,
         ])
         stream_hint = payload.get("stream") is True
@@ -568,23 +914,23 @@ class Gateway:
                 if exc.refused:
                     self._mark_down(worker, exc)
                 if len(tried) == 2:
-                    return self._error(
+                    return _Failure(
                         502, f"workers {tried} failed before answering (last: {exc})",
                         "upstream_failed", worker,
                     )
                 try:
                     worker, matched = self._decide(req, known, ExcludingView(self.view, tried))
                 except NoWorkerUpError:
-                    return self._error(
+                    return _Failure(
                         502, f"worker {worker} failed before answering ({exc}) and no other "
                         "worker is up", "upstream_failed", worker,
                     )
                 log.info("retrying %s on %s after %s", rid, worker, exc)
                 flight = self.view.begin(worker, req, matched)
-        try:
-            return await self._relay(request, attempt, worker, flight, t_pre)
-        finally:
-            self.view.finish(flight)
+            except BaseException:
+                self.view.finish(flight)
+                raise
+        return attempt, worker, flight, t_pre
 
     async def _relay(
         self, request: web.Request, a: _Attempt, worker: str, flight: Flight, t_pre: float
@@ -696,16 +1042,24 @@ class Gateway:
 
     # -- health probe ----------------------------------------------------------------
     async def probe_once(self) -> None:
-        """GET /health on every worker; up iff it answers with a status below 500."""
+        """GET /health on every worker; up iff it answers with a status below 500.
+
+        A probe that times out while the worker answered a proxied request since the
+        probe began does not mark it down: the worker is evidently serving, and the
+        timeout says more about a busy gateway loop than about the worker.
+        """
         timeout = aiohttp.ClientTimeout(total=max(0.5, min(5.0, self.health_interval_s)))
 
         async def one(name: str, url: str) -> None:
+            t = perf_counter()
             try:
                 async with self._client.get(url + "/health", timeout=timeout) as resp:
                     await resp.read()
                     ok = resp.status < 500
                     why = f"GET /health answered {resp.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except asyncio.TimeoutError as exc:
+                ok, why = self._answered.get(name, -1.0) >= t, repr(exc)
+            except (aiohttp.ClientError, OSError) as exc:
                 ok, why = False, repr(exc)
             if ok:
                 self._mark_up(name)
@@ -714,10 +1068,17 @@ class Gateway:
 
         await asyncio.gather(*(one(s.name, s.url) for s in self.view.state.values()))
 
+    def _close_idle(self) -> None:
+        """Close fast-front-end client connections idle for ``_IDLE_CLOSE_S`` (dead peers)."""
+        oldest = monotonic() - _IDLE_CLOSE_S
+        for conn in [c for c in self._conns if not c.busy and c.last < oldest]:
+            conn.transport.close()
+
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
             try:
+                self._close_idle()
                 await self.probe_once()
             except asyncio.CancelledError:
                 raise
