@@ -7,6 +7,7 @@ refs and hashes), so the eviction order is checked exactly, not just its counts.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -47,6 +48,9 @@ def check_pool_invariants(pool: BlockPool) -> None:
     for h, b in pool.cached.items():
         assert 0 <= b < n
         assert pool.block_hash[b] == h, f"cached[{h}] -> block {b} carries {pool.block_hash[b]}"
+    for b in range(n):  # what match() trusts when it reuses a remembered chain
+        h = pool.block_hash[b]
+        assert pool._mapped[b] == (h is not None and pool.cached.get(h) == b), f"block {b}: stale mapped flag"
 
 
 # -- reference model ---------------------------------------------------------------
@@ -238,6 +242,46 @@ def test_num_cached_blocks_counts_leading_run_only():
     before = (list(pool.ref), list(pool.free), dict(pool.cached))
     pool.num_cached_blocks(hs)
     assert (list(pool.ref), list(pool.free), dict(pool.cached)) == before  # no side effects
+
+
+def test_match_reuses_a_remembered_chain_only_while_exact():
+    """match() returns a remembered chain's ids only while the per-hash lookup would
+    give the same ids: not after its tail was evicted, nor after its hashes were
+    recomputed into other blocks, nor for a duplicate that cached does not map to."""
+
+    def lookup(hs: list[int]) -> list[int]:
+        return [pool.cached[h] for h in hs[: pool.num_cached_blocks(hs)]]
+
+    pool = BlockPool(8, 4)
+    hs = chain(1, 2, 3, 4)
+    a = pool.get_new_blocks(4)
+    pool.cache_full_blocks(a, hs)
+    ids = np.array(a)
+    pool.remember_chain(ids, hs[-1])
+    pool.free_blocks(ids[::-1])
+    assert pool.match(hs) is ids
+    pool.get_new_blocks(5)  # 4 fresh blocks, then a's last block (freed first) is evicted
+    assert pool.num_cached_blocks(hs) == 3
+    assert pool.match(hs).tolist() == lookup(hs) == a[:3]
+
+    pool = BlockPool(8, 4)
+    a = pool.get_new_blocks(4)
+    pool.cache_full_blocks(a, hs)
+    ids = np.array(a)
+    pool.remember_chain(ids, hs[-1])
+    pool.free_blocks(ids[::-1])
+    b = pool.get_new_blocks(8)  # every block reallocated, a's hashes evicted
+    pool.cache_full_blocks(b[4:][::-1], hs)  # the same chain recomputed in other blocks
+    assert pool.match(hs).tolist() == lookup(hs) == b[4:][::-1]
+    check_pool_invariants(pool)
+
+    pool = BlockPool(8, 4)
+    a, b = pool.get_new_blocks(4), pool.get_new_blocks(4)
+    pool.cache_full_blocks(a, hs)
+    pool.cache_full_blocks(b, hs)  # computed concurrently: b's blocks are duplicates
+    pool.remember_chain(np.array(b), hs[-1])
+    assert pool.match(hs).tolist() == lookup(hs) == a
+    check_pool_invariants(pool)
 
 
 def test_tail_first_free_evicts_suffix_before_prefix():

@@ -25,6 +25,13 @@ block was taken again (or freed again later) are skipped when the head is consum
 Freeing and re-touching a conversation's blocks every turn thus costs an array write
 and a counter, not a linked-list update, and an allocation finds its blocks with a
 vectorised scan of the head; only the evicted hashes are touched one by one.
+
+Matching a prompt looks up each of its cached blocks (a multi-turn prompt is mostly
+history), so the pool remembers the block ids of chains its requests released
+(:meth:`remember_chain`). When a new prompt's cached run ends where a remembered chain
+ends, the remembered ids are returned if still exact: no block was reallocated since
+(``_epoch``) and each is the block ``cached`` maps its hash to (``_mapped``), the
+same ids the per-hash lookup would give.
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ class BlockPool:
         self._head = 0  # index in _queue of the next entry to consider
         self._pos = np.full(num_blocks, -1, dtype=np.int64)  # global position of each block's latest entry
         self._num_free = num_blocks
+        self._epoch = np.zeros(num_blocks, dtype=np.int64)  # times each block was reallocated
+        self._mapped = np.zeros(num_blocks, dtype=bool)  # cached[block_hash[b]] == b
+        self._chains: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # last hash -> (ids, their epochs)
+        self._max_chains = max(64, num_blocks // 64)  # oldest forgotten first (a cache, exact either way)
 
     # -- queries -------------------------------------------------------------
     @property
@@ -97,9 +108,23 @@ class BlockPool:
 
     def match(self, hashes: Sequence[int]) -> np.ndarray:
         """Block ids of the cached leading run of a hash chain (no side effects), as an
-        array: the caller counts, touches and keeps them, converting once."""
+        array: the caller counts, touches and keeps them, converting once. Read-only."""
         n = self.num_cached_blocks(hashes)
+        if n:
+            chain = self._chains.get(hashes[n - 1])
+            if chain is not None:
+                ids, epochs = chain
+                if np.array_equal(self._epoch[ids], epochs) and self._mapped[ids].all():
+                    return ids
         return np.fromiter(map(self.cached.__getitem__, hashes[:n]), dtype=np.int64, count=n)
+
+    def remember_chain(self, blocks: np.ndarray, last_hash: int) -> None:
+        """Note that ``blocks`` carry a hash chain ending in ``last_hash``, for :meth:`match`."""
+        chains = self._chains
+        chains.pop(last_hash, None)
+        chains[last_hash] = (blocks, self._epoch[blocks])
+        if len(chains) > self._max_chains:
+            del chains[next(iter(chains))]
 
     def get_cached_block(self, h: int) -> int | None:
         return self.cached.get(h)
@@ -165,6 +190,7 @@ class BlockPool:
             live = self._live(i, hi)[:want]
             blocks = self._queue[i + live]
             self.ref[blocks] = 1
+            self._epoch[blocks] += 1
             got.extend(blocks.tolist())
             i = i + int(live[-1]) + 1 if len(live) == want else hi  # stop just past the last block taken
         self._head = i
@@ -178,6 +204,7 @@ class BlockPool:
                     self.num_evictions += 1
                 else:
                     self._evict(b)
+        self._mapped[got] = False  # after the loop: a hash may move to a survivor taken here too
         return got
 
     def _evict(self, b: int) -> None:
@@ -187,7 +214,8 @@ class BlockPool:
         others = self._dups.get(h)
         if self.cached.get(h) == b:
             if others:
-                self.cached[h] = others.pop()
+                survivor = self.cached[h] = others.pop()
+                self._mapped[survivor] = True
             else:
                 del self.cached[h]
         elif others:
@@ -204,10 +232,11 @@ class BlockPool:
             self._dups.setdefault(h, []).append(block)
         else:
             self.cached[h] = block
+            self._mapped[block] = True
 
     def cache_full_blocks(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """:meth:`cache_full_block` for pairs of blocks and hashes."""
-        bh, cached = self.block_hash, self.cached
+        bh, cached, mapped = self.block_hash, self.cached, self._mapped
         for b, h in zip(blocks, hashes):
             if bh[b] is None:
                 if h in cached:
@@ -215,15 +244,19 @@ class BlockPool:
                 else:
                     bh[b] = h
                     cached[h] = b
+                    mapped[b] = True
 
-    def free_blocks(self, ordered_blocks: Sequence[int]) -> None:
+    def free_blocks(self, ordered_blocks: Sequence[int] | np.ndarray) -> None:
         """Drop one reference on each of distinct blocks; those reaching zero join the
         queue's tail in the order given.
 
         Pass a request's blocks in reverse order (tail first) to get vLLM's eviction
         order.
         """
-        idx = np.array(ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks), dtype=np.int64)
+        if isinstance(ordered_blocks, np.ndarray):
+            idx = ordered_blocks
+        else:
+            idx = np.array(ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks), dtype=np.int64)
         if not idx.size:
             return
         if self._len + idx.size > len(self._queue):
@@ -253,5 +286,7 @@ class BlockPool:
             return False
         self.cached.clear()
         self._dups.clear()
+        self._mapped[:] = False
+        self._chains.clear()
         self.block_hash = [None] * self.num_blocks
         return True

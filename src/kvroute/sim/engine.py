@@ -188,8 +188,7 @@ class Engine:
                     done.append(r)
         for r in done:
             self.running.remove(r)
-            self.pool.free_blocks(r.blocks[::-1])
-            r.blocks = []
+            self._release(r)
         return first, done
 
     # -- internals ----------------------------------------------------------
@@ -214,10 +213,18 @@ class Engine:
         r.blocks.extend(new)
         return True
 
+    def _release(self, r: EngineRequest) -> None:
+        """Free a request's blocks tail first, remembering its cached chain for the next turn."""
+        ids = np.array(r.blocks, dtype=np.int64)
+        m = r.num_cached_blocks
+        if m:
+            self.pool.remember_chain(ids[:m], r.hashes[m - 1])
+        self.pool.free_blocks(ids[::-1])
+        r.blocks = []
+
     def _preempt(self, victim: EngineRequest) -> None:
         self.running.remove(victim)
-        self.pool.free_blocks(victim.blocks[::-1])
-        victim.blocks = []
+        self._release(victim)
         victim.num_cached_blocks = 0
         victim.num_computed = 0
         victim.num_generated = 0
