@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 LOCK   := envs/requirements.lock
 STAMP  := $(VENV)/.kvroute-installed
 
-.PHONY: paper latex test bench lock clean-venv routers engine-cpu engine-cpu-lock
+.PHONY: paper latex test bench lock clean-venv routers cluster engine-cpu engine-cpu-lock
 
 # LaTeX for the notes (Debian/Ubuntu packages). Installed automatically when running as
 # root with apt-get; otherwise `make paper` stops and prints this command.
@@ -32,8 +32,28 @@ $(ROUTERS_STAMP): $(ROUTERS_LOCK)
 
 routers: $(ROUTERS_STAMP)
 
+# Snakemake's cluster executors (slurm, kubernetes) and the s3 storage plugin: .venv-cluster,
+# the pinned lock plus envs/cluster.lock. Apart from .venv because Snakemake imports every
+# installed plugin at start-up (about a second here), which every local run would pay.
+# Run the cluster profiles from it: .venv-cluster/bin/snakemake --profile workflow/profiles/slurm paper
+CLUSTER_VENV  := .venv-cluster
+CLUSTER_LOCK  := envs/cluster.lock
+CLUSTER_STAMP := $(CLUSTER_VENV)/.kvroute-installed
+
+$(CLUSTER_STAMP): $(LOCK) $(CLUSTER_LOCK) pyproject.toml
+	@test -x $(CLUSTER_VENV)/bin/python || $(PYTHON) -m venv $(CLUSTER_VENV)
+	$(CLUSTER_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r $(LOCK) -r $(CLUSTER_LOCK)
+	$(CLUSTER_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@touch $(CLUSTER_STAMP)
+
+cluster: $(CLUSTER_STAMP)
+
 # Every figure, table, number and note: results/paper/*.pdf (see docs/pipeline.md).
-paper: $(STAMP) latex
+# PAPER_ENVS: the environments the configured measurement needs (config/config.yaml
+# measures on the `cpu` profile: vLLM's CPU build and the production routers); a machine
+# with `measure: {enabled: false}` can skip them with `make paper PAPER_ENVS=`.
+PAPER_ENVS ?= routers engine-cpu
+paper: $(STAMP) latex $(PAPER_ENVS)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/snakemake paper --profile workflow/profiles/default --cores 8 $(SNAKEMAKE_FLAGS)
 
 latex:
@@ -57,11 +77,15 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/note2_fidelity.py
 	$(BIN)/python benchmarks/gateway_latency.py
 
-# Re-pin every dependency from pyproject.toml into the lock (run after changing dependencies).
+# Re-pin every dependency from pyproject.toml into the locks (run after changing dependencies):
+# .[test] into $(LOCK), then what .[cluster] adds on top of it into $(CLUSTER_LOCK).
 lock:
 	rm -rf /tmp/kvroute-lock && $(PYTHON) -m venv /tmp/kvroute-lock
 	/tmp/kvroute-lock/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
 	/tmp/kvroute-lock/bin/pip freeze --exclude-editable --disable-pip-version-check | grep -v '^kvroute' > $(LOCK)
+	/tmp/kvroute-lock/bin/pip install --quiet --disable-pip-version-check -e '.[test,cluster]'
+	{ sed -n '1,2p' $(CLUSTER_LOCK); /tmp/kvroute-lock/bin/pip freeze --exclude-editable --disable-pip-version-check \
+	    | grep -v '^kvroute' | grep -v -x -F -f $(LOCK); } > $(CLUSTER_LOCK).new && mv $(CLUSTER_LOCK).new $(CLUSTER_LOCK)
 
 clean-venv:
 	rm -rf $(VENV)

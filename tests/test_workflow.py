@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ import pytest
 import yaml
 
 from kvroute.experiment import load_experiment
+from kvroute.live.peers import is_peer_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 COPIED = ["Snakefile", "workflow", "config", "hardware", "envs", "src", "notebooks", "paper"]
@@ -88,13 +88,13 @@ def _keep_cwd():
         os.chdir(old)
 
 
-def _api_dry_run(repo: Path, targets=("paper",), configfiles=(), mtime_only=False):
+def _api_dry_run(repo: Path, targets=("paper",), configfiles=(), mtime_only=False, shell=False):
     from snakemake.api import SnakemakeApi
     from snakemake.settings.enums import RerunTrigger
     from snakemake.settings.types import ConfigSettings, DAGSettings, OutputSettings, ResourceSettings
 
     triggers = frozenset({RerunTrigger.MTIME}) if mtime_only else RerunTrigger.all()
-    with _keep_cwd(), SnakemakeApi(OutputSettings(dryrun=True)) as api:
+    with _keep_cwd(), SnakemakeApi(OutputSettings(dryrun=True, printshellcmds=shell)) as api:
         wf = api.workflow(
             ResourceSettings(cores=1),
             config_settings=ConfigSettings(configfiles=[Path(f) for f in configfiles]),
@@ -132,7 +132,7 @@ def expected_fresh_jobs(repo: Path) -> Counter:
     exps = [load_experiment(repo / f"config/experiments/{name}.yaml") for name in cfg["experiments"]]
     jobs = Counter(
         workload=sum(e.rounds for e in exps),
-        simulate=sum(len(e.expand()) for e in exps),
+        simulate=sum(1 for e in exps for r in e.expand(measured=True) if not is_peer_spec(r.policy)),
         merge=len(exps),
         arithmetic=int(any("tn4-arithmetic" in a.get("sim", []) for a in cfg["analyses"])),
         manifest=1,
@@ -192,17 +192,25 @@ def test_measure_rules_only_when_enabled(repo, capfd, tmp_path):
     assert "measure_gpu" not in text and "measure_cpu" not in text
     on = tmp_path / "measure.yaml"
     on.write_text(yaml.safe_dump({"measure": {"enabled": True, "runs": [
-        {"experiment": "note2-6turn", "hardware": "cpu"},
+        {"experiment": "note2-6turn", "hardware": "cpu", "rounds": 2},
         {"experiment": "note2-a100", "hardware": "a100x1-2workers"},
     ]}}))
-    counts, text = dry_run(repo, capfd, targets=("measure",), configfiles=[repo / "config/config.yaml", on])
+    counts, text = dry_run(repo, capfd, targets=("measure",), configfiles=[repo / "config/config.yaml", on], shell=True)
     assert counts["measure_cpu"] == 1 and counts["measure_gpu"] == 1
     gpu_job = text.split("rule measure_gpu:", 1)[1].split("\n\n", 1)[0]
     assert re.search(r"\bgpu=1\b", gpu_job), gpu_job
+    assert "--rounds" not in gpu_job  # the experiment file's rounds
+    cpu_job = text.split("rule measure_cpu:", 1)[1].split("\n\n", 1)[0]
+    assert "--rounds 2" in cpu_job, cpu_job
 
 
+CLUSTER_SNAKEMAKE = ROOT / ".venv-cluster" / "bin" / "snakemake"
+
+
+@pytest.mark.skipif(not CLUSTER_SNAKEMAKE.exists(),
+                    reason="the cluster environment .venv-cluster is missing: run `make cluster` to build it")
 def test_slurm_profile_dry_runs_without_a_cluster(repo):
-    snakemake = Path(sys.executable).parent / "snakemake"
+    snakemake = CLUSTER_SNAKEMAKE
     res = subprocess.run(
         [str(snakemake), "paper", "--profile", "workflow/profiles/slurm", "-n", "--quiet", "rules"],
         cwd=repo, capture_output=True, text=True, timeout=120,
@@ -302,9 +310,9 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _lock() -> dict[str, str]:
+def _lock(name: str = "requirements") -> dict[str, str]:
     pins = {}
-    for line in (ROOT / "envs/requirements.lock").read_text().splitlines():
+    for line in (ROOT / f"envs/{name}.lock").read_text().splitlines():
         if "==" in line and not line.startswith("#"):
             name, version = line.split("==", 1)
             pins[_norm(name)] = version.strip()
@@ -362,13 +370,26 @@ def test_simulation_env_covers_kvroute_dependencies():
     from packaging.requirements import Requirement
 
     core = {_norm(Requirement(r).name) for r in requires("kvroute") or [] if "extra ==" not in r}
-    pipeline = {"snakemake", "snakemake-executor-plugin-slurm", "snakemake-executor-plugin-kubernetes",
-                "snakemake-storage-plugin-s3",
-                "papermill", "ipykernel", "nbformat", "matplotlib", "seaborn"}
+    pipeline = {"snakemake", "papermill", "ipykernel", "nbformat", "matplotlib", "seaborn"}
     workflow_only = {n for n in pipeline if n.startswith("snakemake")}
     for env, needed in (("simulation", core - pipeline), ("analysis", core - workflow_only)):
         names = {_norm(n) for n, _, _ in _env_requirements(ROOT / f"envs/{env}.yaml")}
         assert needed <= names, f"envs/{env}.yaml lacks {sorted(needed - names)}"
+
+
+def test_cluster_plugins_pinned_apart_from_the_main_lock():
+    """The executor and storage plugins live in envs/cluster.lock only: Snakemake imports
+    every installed plugin at start-up, so in .venv they would slow every local run."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    main, cluster = _lock(), _lock("cluster")
+    plugins = {"snakemake-executor-plugin-slurm", "snakemake-executor-plugin-kubernetes", "snakemake-storage-plugin-s3"}
+    assert plugins <= set(cluster) and not plugins & set(main)
+    assert not set(cluster) & set(main), "a package pinned in both locks"
+    extra = {_norm(Requirement(r).name) for r in requires("kvroute") or [] if "extra == \"cluster\"" in r}
+    assert extra == plugins
 
 
 def test_profiles_name_their_executors():

@@ -322,6 +322,14 @@ def get_measure_experiment(wildcards):
     return experiment_file(wildcards.mexp)
 
 
+def get_measure_rounds_arg(wildcards):
+    """``--rounds N`` where the config's measure run sets ``rounds``, else nothing."""
+    for r in config["measure"]["runs"]:
+        if (r["experiment"], r["hardware"]) == (wildcards.mexp, wildcards.mhw) and r.get("rounds"):
+            return f"--rounds {int(r['rounds'])}"
+    return ""
+
+
 def get_measure_hardware_files(wildcards):
     return [f"hardware/{wildcards.mhw}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"]
 

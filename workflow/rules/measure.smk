@@ -18,6 +18,7 @@ rule measure_gpu:
         mhw=_alternation(get_measure_hardware(cpu=False)),
     params:
         out=output_dir("requests"),
+        rounds=get_measure_rounds_arg,
     threads: 8
     resources:
         gpu=get_measure_gpus,
@@ -31,7 +32,7 @@ rule measure_gpu:
     conda:
         "../../envs/engine-gpu.yaml"
     shell:
-        "kvroute measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} > {log:q} 2>&1"
+        "kvroute -v measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} {params.rounds} > {log:q} 2>&1"
 
 
 rule tiny_model:  # the CPU profile's model: random weights, local tokenizer, deterministic
@@ -62,7 +63,8 @@ rule measure_cpu:
         mhw=_alternation(get_measure_hardware(cpu=True)),
     params:
         out=output_dir("requests"),
-    threads: 4
+        rounds=get_measure_rounds_arg,
+    threads: workflow.cores  # the whole machine: a simulation beside it would slow the engines
     resources:
         mem_mb=12000,
         runtime=60,
@@ -74,4 +76,4 @@ rule measure_cpu:
     conda:
         "../../envs/engine-cpu.yaml"
     shell:
-        "kvroute measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} > {log:q} 2>&1"
+        "kvroute -v measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} {params.rounds} > {log:q} 2>&1"
