@@ -123,6 +123,8 @@ def test_policy_tex():
     assert str(policy_tex("cost_aware:alpha=0.25")) == r"cost-aware, $\alpha$ = 0.25"
     assert str(policy_tex("hybrid_sticky:threshold_ms=500")) == r"hybrid sticky, threshold 500\,ms"
     assert str(policy_tex("kv_aware")) == "KV-aware"
+    assert str(policy_tex("sglang_router:cache_aware")) == r"sglang-router, cache\_aware"
+    assert str(policy_tex("vllm_router:consistent_hash")) == r"vllm-router, consistent\_hash"
 
 # ---------------------------------------------------------------- numbers
 

@@ -193,3 +193,24 @@ def setup_table(experiments: dict, setup_csv: Path | None, policy_names: dict[st
         given = pub[pub["item"] == item]["published"] if pub is not None else pd.Series(dtype=str)
         rows.append({"item": item, "published": given.iloc[0] if len(given) else DASH, "rebuild": value})
     return pd.DataFrame(rows)
+
+
+#: macro keys of the CPU measurement's policies (LaTeX names take letters only)
+CPU_POLICY_KEYS = {
+    "round_robin": "RoundRobin", "least_loaded": "LeastLoaded", "kv_aware": "Kv",
+    "hybrid_sticky:threshold_ms=500": "Hybrid", "sglang_router:cache_aware": "Sglang",
+    "vllm_router:cache_aware": "Vllm",
+}
+#: imbalance (coefficient of variation of work over the workers) from which a run counts as
+#: piled onto one worker, and below which as spread: with two workers, 1 is all on one
+PILED_IMBALANCE, SPREAD_IMBALANCE = 0.9, 0.25
+
+
+def locality_and_load(summary: pd.DataFrame) -> pd.DataFrame:
+    """Per policy, means over rounds: hit rate, imbalance, later-turn TTFT, time to complete,
+    and whether the run piled onto one worker or spread (see the thresholds above)."""
+    cols = ["hit_rate", "imbalance", "later_ttft_mean_ms", "time_to_complete_s"]
+    out = summary.groupby("policy", sort=True)[cols].mean()
+    out["piled"] = out["imbalance"] >= PILED_IMBALANCE
+    out["spread"] = out["imbalance"] < SPREAD_IMBALANCE
+    return out

@@ -199,11 +199,15 @@ _POLICY_NAMES = {
     "random": "random", "sticky": "sticky", "dynamo": "Dynamo rule", "loadaware": "load-aware",
 }
 _PARAM_TEX = {"alpha": r"$\alpha$", "threshold_ms": "threshold", "beta": r"$\beta$"}
+#: production routers run as peers (``sglang_router:cache_aware``): router, then its own policy
+_PEER_NAMES = {"sglang_router": "sglang-router", "vllm_router": "vllm-router"}
 
 
 def policy_tex(spec: str) -> Tex:
     """A policy spec as readable LaTeX: ``cost_aware:alpha=0.25`` -> ``cost-aware, $\\alpha$ = 0.25``."""
     name, _, params = spec.partition(":")
+    if name in _PEER_NAMES:  # ``sglang_router:cache_aware`` -> ``sglang-router, cache_aware``
+        return Tex(escape(f"{_PEER_NAMES[name]}, {params}") if params else escape(_PEER_NAMES[name]))
     text = escape(_POLICY_NAMES.get(name, name))
     parts = []
     for kv in filter(None, params.split(",")):
