@@ -114,7 +114,7 @@ class BlockPool:
             chain = self._chains.get(hashes[n - 1])
             if chain is not None:
                 ids, epochs = chain
-                if np.array_equal(self._epoch[ids], epochs) and self._mapped[ids].all():
+                if (self._epoch[ids] == epochs).all() and self._mapped[ids].all():
                     return ids
         return np.fromiter(map(self.cached.__getitem__, hashes[:n]), dtype=np.int64, count=n)
 
