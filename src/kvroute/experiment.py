@@ -8,6 +8,7 @@ key or value at fault.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import yaml
 from kvroute.hardware import load_hardware
 from kvroute.live.peers import is_peer_spec, parse_peer_spec
 from kvroute.policies import make_policy
+from kvroute.yamlfile import load_yaml, read_yaml
 
 
 class ExperimentError(ValueError):
@@ -75,9 +77,10 @@ class Experiment:
         return [Run(self.name, hw, p, r) for r in rnds for hw, p in pairs]
 
 
-def _schema() -> dict:
+@cache
+def _validator() -> jsonschema.Draft202012Validator:
     text = resources.files("kvroute.schemas").joinpath("experiment.schema.yaml").read_text()
-    return yaml.safe_load(text)
+    return jsonschema.Draft202012Validator(load_yaml(text))
 
 
 def _where(err: jsonschema.ValidationError) -> str:
@@ -101,11 +104,10 @@ def load_experiment(path: str | Path) -> Experiment:
     if not path.is_file():
         raise ExperimentError(f"{path}: no such experiment file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path) or {}
     except yaml.YAMLError as exc:
         raise ExperimentError(f"{path}: not valid YAML: {exc}") from exc
-    validator = jsonschema.Draft202012Validator(_schema())
-    errors = sorted(validator.iter_errors(raw), key=lambda e: list(e.absolute_path))
+    errors = sorted(_validator().iter_errors(raw), key=lambda e: list(e.absolute_path))
     if errors:
         e = errors[0]
         raise ExperimentError(f"{path}: key {_where(e)}: {e.message}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-import yaml
+from kvroute.yamlfile import read_yaml
 
 GB = 1e9
 #: bytes per weight and KV element of the dtypes a profile's ``engine.dtype`` may name
@@ -130,11 +130,6 @@ class Hardware:
         }
 
 
-def _read_yaml(path: Path) -> dict:
-    with open(path) as fh:
-        return yaml.safe_load(fh)
-
-
 def available_hardware(directory: Path | None = None) -> list[str]:
     d = directory or hardware_dir()
     skip = {"models", "coefficients"}
@@ -147,9 +142,9 @@ def _load(name: str, directory: str) -> Hardware:
     valid = available_hardware(d)
     if name not in valid:
         raise ValueError(f"unknown hardware {name!r}; valid: {', '.join(valid)}")
-    raw = _read_yaml(d / f"{name}.yaml")
-    models = _read_yaml(d / "models.yaml")
-    coeffs = _read_yaml(d / "coefficients.yaml")
+    raw = read_yaml(d / f"{name}.yaml")
+    models = read_yaml(d / "models.yaml")
+    coeffs = read_yaml(d / "coefficients.yaml")
     try:
         gpu = raw["gpu"]
         model = Model(**{k: (float(v) if k == "params" else v) for k, v in models[raw["model"]].items()})

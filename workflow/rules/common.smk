@@ -48,10 +48,9 @@ def _fail(message):
 try:
     validate(config, CONFIG_SCHEMA)  # also fills in the schema's defaults
 except WorkflowError:
-    import yaml
+    from kvroute.yamlfile import read_yaml
 
-    with open(Path(workflow.current_basedir) / CONFIG_SCHEMA) as _fh:
-        _problems = config_errors(config, yaml.safe_load(_fh))
+    _problems = config_errors(config, read_yaml(Path(workflow.current_basedir) / CONFIG_SCHEMA))
     _fail("; ".join(_problems) or "does not match workflow/schemas/config.schema.yaml")
 
 
