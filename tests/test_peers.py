@@ -86,10 +86,18 @@ def _exp(tmp_path, policies, **params):
     return p
 
 
-def test_simulate_rejects_a_production_router(tmp_path):
+def test_simulate_leaves_out_production_routers(tmp_path):
+    """A router the experiment lists is measured only: simulation leaves it out (as the
+    workflow does); naming one with --policy is an error."""
     path = _exp(tmp_path, ["round_robin", "vllm_router:cache_aware"])
-    load_experiment(path)  # valid for measuring
+    exp = load_experiment(path)  # valid for measuring
+    assert [r.policy for r in exp.expand(measured=True)] == ["round_robin", "vllm_router:cache_aware"]
+    assert [r.policy for r in exp.expand()] == ["round_robin"]
     res = CliRunner().invoke(main, ["simulate", str(path), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert set(pd.read_parquet(tmp_path / "o" / "requests.parquet")["policy"]) == {"round_robin"}
+    res = CliRunner().invoke(main, ["simulate", str(path), "--out", str(tmp_path / "p"),
+                                    "--policy", "vllm_router:cache_aware"])
     assert res.exit_code != 0
     assert "'vllm_router:cache_aware' is a production router: it can be measured (kvroute measure), not simulated" \
         in res.output

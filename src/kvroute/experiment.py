@@ -60,18 +60,20 @@ class Experiment:
         ``hardware`` moves every policy of the experiment onto that profile;
         ``policies`` replaces each run's policy list; ``round_`` selects one round.
         Production routers (``sglang_router:...``, ``vllm_router:...``) can only be
-        measured: unless ``measured``, a run naming one is an :class:`ExperimentError`.
+        measured: unless ``measured``, those the file lists are left out (the workflow's
+        simulations and ``kvroute simulate`` alike), and one named in ``policies`` is an
+        :class:`ExperimentError`.
         """
+        if not measured:
+            for p in policies or ():
+                if is_peer_spec(p):
+                    raise ExperimentError(f"{self.path}: policy {p!r} {PEER_NOT_SIMULATED}")
         pairs: list[tuple[str, str]] = []
         for hw, pols in self.runs:
             hw = hardware or hw
             for p in policies or pols:
-                if (hw, p) not in pairs:
+                if (hw, p) not in pairs and (measured or not is_peer_spec(p)):
                     pairs.append((hw, p))
-        if not measured:
-            for _hw, p in pairs:
-                if is_peer_spec(p):
-                    raise ExperimentError(f"{self.path}: policy {p!r} {PEER_NOT_SIMULATED}")
         n = rounds or self.rounds
         rnds = [round_] if round_ is not None else list(range(n))
         return [Run(self.name, hw, p, r) for r in rnds for hw, p in pairs]

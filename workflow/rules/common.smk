@@ -27,7 +27,6 @@ try:
     import kvroute.pipeline
 except ImportError:  # kvroute is not installed beside Snakemake: use the source tree
     sys.path.insert(0, str(Path(workflow.basedir) / "src"))
-from kvroute.live.peers import is_peer_spec
 from kvroute.pipeline import ARITHMETIC_NAME, config_errors, policy_slug
 
 # Rules call `kvroute`, `papermill` and `latexmk` by name: run Snakemake with the
@@ -235,7 +234,7 @@ def _sim_jobs(name):
     """{(hardware, policy slug, round): policy spec} for every simulation job of experiment ``name``."""
     jobs = {}
     # production routers (sglang_router:..., vllm_router:...) are measured, never simulated
-    runs = [r for r in _experiment(name, "experiments").expand(measured=True) if not is_peer_spec(r.policy)]
+    runs = _experiment(name, "experiments").expand()
     for run in runs:
         try:
             slug = policy_slug(run.policy)
