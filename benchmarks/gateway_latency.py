@@ -21,7 +21,12 @@ For every target it reports TTFT (send -> first body byte) and E2E (send -> last
 p50 / p99, and the added latency: the target's percentile minus direct's. Then the
 ratios: each router's p50 / p99 added latency over the best other router's, when
 there is one, and kvroute's over the better Rust router's. Goal (issue 4): p50 added
-latency at most 1 ms and at most 1.5 times the better Rust router's.
+latency at most 1 ms and at most 1.5 times the better Rust router's. It also prints the
+CPU seconds per request of each router process (all its threads, from /proc) and of
+this client, per load: with many concurrent chats on a few cores, added latency is
+mostly CPU per request and time waiting for a core, and the client's share shows that
+every target was driven alike (a router that coalesces a reply into fewer writes also
+saves the client reads).
 
 Usage: python benchmarks/gateway_latency.py [--rounds 5] [--sequential 40] [--turns 4]
        [--concurrent 64] [--policy kv_aware] [--peer-policy cache_aware] [--targets kvroute,vllm-router]
