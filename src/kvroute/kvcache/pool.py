@@ -181,35 +181,53 @@ class BlockPool:
         return out
 
     def _take_queued(self, n: int) -> list[int]:
-        """Take the first ``n`` live blocks of the queue (there are enough), evicting their hashes."""
+        """Take the first ``n`` live blocks of the queue (there are enough), evicting their hashes.
+
+        A few blocks (a decode step's) are found entry by entry; many (a prefill's)
+        with vectorised scans of the head, where numpy's per-call cost pays off.
+        """
+        q, ref, epoch = self._queue, self.ref, self._epoch
         got: list[int] = []
         i = self._head
-        while len(got) < n:
-            want = n - len(got)
-            hi = min(self._len, i + 2 * want + 64)  # stale entries are skipped: scan a little more
-            live = self._live(i, hi)[:want]
-            blocks = self._queue[i + live]
-            self.ref[blocks] = 1
-            self._epoch[blocks] += 1
-            got.extend(blocks.tolist())
-            i = i + int(live[-1]) + 1 if len(live) == want else hi  # stop just past the last block taken
+        if n < 16:
+            pos, base = self._pos, self._base
+            while len(got) < n:
+                b = int(q[i])
+                if not ref[b] and pos[b] == base + i:
+                    ref[b] = 1
+                    epoch[b] += 1
+                    got.append(b)
+                i += 1
+        else:
+            while len(got) < n:
+                want = n - len(got)
+                hi = min(self._len, i + 2 * want + 64)  # stale entries are skipped: scan a little more
+                live = self._live(i, hi)[:want]
+                blocks = q[i + live]
+                ref[blocks] = 1
+                epoch[blocks] += 1
+                got.extend(blocks.tolist())
+                i = i + int(live[-1]) + 1 if len(live) == want else hi  # stop just past the last block taken
         self._head = i
-        bh, cached, dups = self.block_hash, self.cached, self._dups
+        bh, cached, dups, mapped = self.block_hash, self.cached, self._dups, self._mapped
+        evicted = 0
         for b in got:
             h = bh[b]
             if h is not None:
                 if cached.get(h) == b and h not in dups:  # the common case, inlined
                     bh[b] = None
                     del cached[h]
-                    self.num_evictions += 1
+                    mapped[b] = False
+                    evicted += 1
                 else:
                     self._evict(b)
-        self._mapped[got] = False  # after the loop: a hash may move to a survivor taken here too
+        self.num_evictions += evicted
         return got
 
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]
         self.block_hash[b] = None
+        self._mapped[b] = False
         self.num_evictions += 1
         others = self._dups.get(h)
         if self.cached.get(h) == b:
