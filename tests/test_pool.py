@@ -50,7 +50,7 @@ def check_pool_invariants(pool: BlockPool) -> None:
         assert pool.block_hash[b] == h, f"cached[{h}] -> block {b} carries {pool.block_hash[b]}"
     for b in range(n):  # what match() trusts when it reuses a remembered chain
         h = pool.block_hash[b]
-        assert pool._mapped[b] == (h is not None and pool.cached.get(h) == b), f"block {b}: stale mapped flag"
+        assert pool._dup[b] == (h is not None and pool.cached.get(h) != b), f"block {b}: stale duplicate flag"
 
 
 # -- reference model ---------------------------------------------------------------

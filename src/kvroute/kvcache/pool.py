@@ -30,8 +30,8 @@ Matching a prompt looks up each of its cached blocks (a multi-turn prompt is mos
 history), so the pool remembers the block ids of chains its requests released
 (:meth:`remember_chain`). When a new prompt's cached run ends where a remembered chain
 ends, the remembered ids are returned if still exact: no block was reallocated since
-(``_epoch``) and each is the block ``cached`` maps its hash to (``_mapped``), the
-same ids the per-hash lookup would give.
+(``_epoch``, so each still carries its hash) and none is a duplicate (``_dup``, so
+each is the block ``cached`` maps its hash to): the ids the per-hash lookup would give.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class BlockPool:
         self._pos = np.full(num_blocks, -1, dtype=np.int64)  # global position of each block's latest entry
         self._num_free = num_blocks
         self._epoch = np.zeros(num_blocks, dtype=np.int64)  # times each block was reallocated
-        self._mapped = np.zeros(num_blocks, dtype=bool)  # cached[block_hash[b]] == b
+        self._dup = np.zeros(num_blocks, dtype=bool)  # carries a hash that cached maps to another block
         self._chains: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # last hash -> (ids, their epochs)
         self._max_chains = max(64, num_blocks // 64)  # oldest forgotten first (a cache, exact either way)
 
@@ -114,7 +114,7 @@ class BlockPool:
             chain = self._chains.get(hashes[n - 1])
             if chain is not None:
                 ids, epochs = chain
-                if (self._epoch[ids] == epochs).all() and self._mapped[ids].all():
+                if (self._epoch[ids] == epochs).all() and not self._dup[ids].any():
                     return ids
         return np.fromiter(map(self.cached.__getitem__, hashes[:n]), dtype=np.int64, count=n)
 
@@ -209,7 +209,7 @@ class BlockPool:
                 got.extend(blocks.tolist())
                 i = i + int(live[-1]) + 1 if len(live) == want else hi  # stop just past the last block taken
         self._head = i
-        bh, cached, dups, mapped = self.block_hash, self.cached, self._dups, self._mapped
+        bh, cached, dups = self.block_hash, self.cached, self._dups
         evicted = 0
         for b in got:
             h = bh[b]
@@ -217,7 +217,6 @@ class BlockPool:
                 if cached.get(h) == b and h not in dups:  # the common case, inlined
                     bh[b] = None
                     del cached[h]
-                    mapped[b] = False
                     evicted += 1
                 else:
                     self._evict(b)
@@ -227,17 +226,17 @@ class BlockPool:
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]
         self.block_hash[b] = None
-        self._mapped[b] = False
         self.num_evictions += 1
         others = self._dups.get(h)
         if self.cached.get(h) == b:
             if others:
                 survivor = self.cached[h] = others.pop()
-                self._mapped[survivor] = True
+                self._dup[survivor] = False
             else:
                 del self.cached[h]
         elif others:
             others.remove(b)
+            self._dup[b] = False
         if others is not None and not others:
             del self._dups[h]
 
@@ -248,13 +247,13 @@ class BlockPool:
         self.block_hash[block] = h
         if h in self.cached:
             self._dups.setdefault(h, []).append(block)
+            self._dup[block] = True
         else:
             self.cached[h] = block
-            self._mapped[block] = True
 
     def cache_full_blocks(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """:meth:`cache_full_block` for pairs of blocks and hashes."""
-        bh, cached, mapped = self.block_hash, self.cached, self._mapped
+        bh, cached = self.block_hash, self.cached
         for b, h in zip(blocks, hashes):
             if bh[b] is None:
                 if h in cached:
@@ -262,7 +261,6 @@ class BlockPool:
                 else:
                     bh[b] = h
                     cached[h] = b
-                    mapped[b] = True
 
     def free_blocks(self, ordered_blocks: Sequence[int] | np.ndarray) -> None:
         """Drop one reference on each of distinct blocks; those reaching zero join the
@@ -304,7 +302,7 @@ class BlockPool:
             return False
         self.cached.clear()
         self._dups.clear()
-        self._mapped[:] = False
+        self._dup[:] = False
         self._chains.clear()
         self.block_hash = [None] * self.num_blocks
         return True
