@@ -236,6 +236,22 @@ def cpu_s(proc: subprocess.Popen | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_s(proc: subprocess.Popen | None) -> float:
+    """Seconds a process's threads have spent runnable but waiting for a core (Linux schedstat)."""
+    if proc is None:
+        return 0.0
+    total = 0
+    try:
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # a thread that just ended
+    except OSError:
+        return float("nan")
+    return total / 1e9
+
+
 def ratio(a: float, b: float) -> str:
     """``a / b`` as ``x1.23``; n/a when ``b`` is not a positive latency (noise around 0)."""
     return f"x{a / b:.2f}" if b > 0 else f"n/a ({b:.3f} ms)"
@@ -293,6 +309,7 @@ def main() -> None:
             urls[name] = lambda c, url=url: url
         cpu = {(t, mode): 0.0 for t in urls for mode in ("sequential", "concurrent")}
         client_cpu = dict.fromkeys(cpu, 0.0)
+        waited = dict.fromkeys(cpu, 0.0)
         results = {(t, mode): [] for t in urls for mode in ("sequential", "concurrent")}
         backend_procs = procs[:2]
         backend_cpu0 = sum(cpu_s(b) for b in backend_procs)
@@ -302,9 +319,10 @@ def main() -> None:
             order = list(urls) if rnd % 2 == 0 else list(urls)[::-1]
             for mode, n in (("sequential", args.sequential), ("concurrent", args.concurrent)):
                 for t in order:
-                    c0, k0 = cpu_s(router_proc[t]), time.process_time()
+                    c0, k0, w0 = cpu_s(router_proc[t]), time.process_time(), wait_s(router_proc[t])
                     results[(t, mode)] += asyncio.run(measure(urls[t], n, args.turns, mode == "concurrent", chat))
                     cpu[(t, mode)] += cpu_s(router_proc[t]) - c0
+                    waited[(t, mode)] += wait_s(router_proc[t]) - w0
                     client_cpu[(t, mode)] += time.process_time() - k0
                     chat += n + 1
         wall = time.monotonic() - t_start
@@ -337,9 +355,9 @@ def main() -> None:
     served = sum(len(r) + args.rounds for r in results.values())
     print(f"backends: {backend_cpu / served * 1e3:.3f} ms of backend CPU per request (reference)")
     print("CPU per request (ms; router: the router process, all its threads; client: this script, "
-          "the same for every target):")
+          "the same for every target; wait: the router's threads runnable but waiting for a core):")
     print(f"  {'target':<13} {'router seq':>10} {'router conc':>11} {'router all':>10} "
-          f"{'client seq':>10} {'client conc':>11}")
+          f"{'client seq':>10} {'client conc':>11} {'wait conc':>10}")
     for t in urls:
         n = {m: len(results[(t, m)]) + args.rounds for m in ("sequential", "concurrent")}
         r = {m: cpu[(t, m)] / n[m] * 1e3 for m in n}
@@ -347,7 +365,8 @@ def main() -> None:
         r_all = sum(cpu[(t, m)] for m in n) / sum(n.values()) * 1e3
         router = (f"{r['sequential']:>10.3f} {r['concurrent']:>11.3f} {r_all:>10.3f}" if t != "direct"
                   else f"{'-':>10} {'-':>11} {'-':>10}")
-        print(f"  {t:<13} {router} {k['sequential']:>10.3f} {k['concurrent']:>11.3f}")
+        wait = f"{waited[(t, 'concurrent')] / n['concurrent'] * 1e3:>10.3f}" if t != "direct" else f"{'-':>10}"
+        print(f"  {t:<13} {router} {k['sequential']:>10.3f} {k['concurrent']:>11.3f} {wait}")
     print("ratios (TTFT through the router / direct, p50 and p99):")
     for mode in ("sequential", "concurrent"):
         d = [x[0] for x in results[("direct", mode)]]
