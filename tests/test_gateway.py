@@ -648,6 +648,38 @@ def test_all_workers_down_answers_503_or_502():
     run(body())
 
 
+def test_slow_health_probes_mark_a_worker_down_only_after_several_in_a_row():
+    """A busy engine answers /health late but is up: one or two timed-out probes keep it
+    up; PROBE_TIMEOUTS_DOWN in a row mark it down; a prompt answer brings it back."""
+    from kvroute.live.gateway import PROBE_TIMEOUTS_DOWN
+
+    class SlowHealth(Backend):
+        slow = True
+
+        async def health(self, request):
+            if self.slow:
+                await asyncio.sleep(1.0)  # past the probe's timeout
+            return web.Response(text="ok")
+
+    async def body():
+        b = await SlowHealth("slow").start()
+        gw = await started([b], "least_loaded", health_interval_s=60, health_timeout_s=0.2)  # probed by hand
+        try:
+            for _ in range(PROBE_TIMEOUTS_DOWN - 1):
+                await gw.probe_once()
+                assert gw.view.is_up("slow")
+            await gw.probe_once()
+            assert not gw.view.is_up("slow")
+            b.slow = False
+            await gw.probe_once()
+            assert gw.view.is_up("slow")
+        finally:
+            await gw.stop()
+            await b.stop()
+
+    run(body())
+
+
 @needs_redis
 def test_redis_killed_mid_run_routing_continues_from_memory(redis_server, caplog):
     redis = redis_server()

@@ -118,6 +118,8 @@ _PROXIED_RAW = {CHAT_PATH.encode(): CHAT_PATH, COMPLETIONS_PATH.encode(): COMPLE
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _NO_BODY_STATUS = frozenset((204, 304))
 _MAX_REQUEST_HEAD = 64 * 1024
+#: consecutive timed-out health probes that mark a worker down (a refusal or a 5xx: one)
+PROBE_TIMEOUTS_DOWN = 3
 _IDLE_CLOSE_S = 75.0  # a kept-alive client connection idle this long is closed (aiohttp's default)
 _LATENCY_BUCKETS = (
     5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0
@@ -622,6 +624,7 @@ class Gateway:
         block_chars / chars_per_token: the prefix hasher (see :mod:`kvroute.live.prefix`).
         prefill_s_per_token / decode_s_per_running: the view's delay estimates.
         health_interval_s: period of the workers' GET /health probe.
+        health_timeout_s: how long a probe waits (default: the period, within 0.5-5 s).
         connect_timeout_s: upstream connect timeout (a refused connect fails at once).
         read_timeout_s: longest silence from an upstream before the request fails.
         index_ttl_s / index_capacity_blocks: the approximate prefix index's bounds.
@@ -646,6 +649,7 @@ class Gateway:
         prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN,
         decode_s_per_running: float = DEFAULT_DECODE_S_PER_RUNNING,
         health_interval_s: float = 1.0,
+        health_timeout_s: float | None = None,
         connect_timeout_s: float = 2.0,
         read_timeout_s: float | None = 600.0,
         index_ttl_s: float = 120.0,
@@ -667,6 +671,7 @@ class Gateway:
             index_capacity_blocks=index_capacity_blocks,
         )
         self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s or max(0.5, min(5.0, health_interval_s))
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self._ids = itertools.count()
@@ -678,6 +683,7 @@ class Gateway:
         self._server: asyncio.AbstractServer | None = None  # the fast front end's listener
         self._conns: set[_ClientConnection] = set()
         self._answered: dict[str, float] = {}  # worker -> perf_counter of its latest response head
+        self._probe_timeouts: dict[str, int] = {}  # worker -> health probes timed out in a row
         self._worker_header = {
             name: f"{WORKER_HEADER}: {name}\r\n".encode("utf-8", "surrogateescape") for name in self.view.state
         }
@@ -1044,11 +1050,12 @@ class Gateway:
     async def probe_once(self) -> None:
         """GET /health on every worker; up iff it answers with a status below 500.
 
-        A probe that times out while the worker answered a proxied request since the
-        probe began does not mark it down: the worker is evidently serving, and the
-        timeout says more about a busy gateway loop than about the worker.
+        A refused connection or a 5xx marks the worker down at once. A probe that only
+        times out marks it down after ``PROBE_TIMEOUTS_DOWN`` in a row, and never while
+        the worker answered a proxied request since the probe began: a busy engine (a
+        CPU worker deep in a long prefill, on a loaded machine) answers slowly but is up.
         """
-        timeout = aiohttp.ClientTimeout(total=max(0.5, min(5.0, self.health_interval_s)))
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
 
         async def one(name: str, url: str) -> None:
             t = perf_counter()
@@ -1058,10 +1065,15 @@ class Gateway:
                     ok = resp.status < 500
                     why = f"GET /health answered {resp.status}"
             except asyncio.TimeoutError as exc:
-                ok, why = self._answered.get(name, -1.0) >= t, repr(exc)
+                slow = 0 if self._answered.get(name, -1.0) >= t else self._probe_timeouts.get(name, 0) + 1
+                self._probe_timeouts[name] = slow
+                if slow < PROBE_TIMEOUTS_DOWN:
+                    return  # no verdict yet: the state stays as it was
+                ok, why = False, f"{slow} health probes in a row timed out ({exc!r})"
             except (aiohttp.ClientError, OSError) as exc:
                 ok, why = False, repr(exc)
             if ok:
+                self._probe_timeouts[name] = 0
                 self._mark_up(name)
             else:
                 self._mark_down(name, why)
