@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -120,6 +121,34 @@ def test_parse_worker():
 
 def request(prompt_tokens: int, hashes=(), session="s") -> RouteRequest:
     return RouteRequest("r", session, 0, prompt_tokens, tuple(hashes))
+
+
+def test_a_full_batch_adds_a_slot_wait_to_the_queue_delay():
+    """With max_num_seqs running, a new request waits for replies of the worker's mean
+    length so far; a fully cached prompt no longer makes a full worker look free, so
+    cost_aware spreads chats that share a system prompt."""
+    v = GatewayView([("a", "http://a"), ("b", "http://b")], 16, prefill_s_per_token=1e-3,
+                    decode_s_per_running=0.0, max_num_seqs=2, decode_step_s=0.02)
+    done = v.begin("a", request(32), 32)
+    v.first_byte(done)
+    v.add_output(done, 30)
+    v.finish(done)  # the worker's mean reply: 30 tokens
+    flights = [v.begin("a", request(32), 32) for _ in range(3)]
+    for f in flights[:2]:
+        v.first_byte(f)
+    # 3 in flight, cap 2: one wave of 30 tokens at 20 ms
+    assert v.queue_delay_s("a") == pytest.approx(30 * 0.02)
+    assert v.queue_delay_s("b") == 0.0
+    flights.append(v.begin("a", request(32), 32))  # 4 in flight: the new one waits one wave too
+    assert v.queue_delay_s("a") == pytest.approx(2 * 30 * 0.02)
+    v.max_num_seqs = None  # without the cap the estimate has no slot wait
+    assert v.queue_delay_s("a") == 0.0
+    v.max_num_seqs = 2
+    cost = make_policy("cost_aware:alpha=1.0", np.random.default_rng(0))
+    shared = request(64, hashes=[1, 2, 3, 4])
+    v.snapshot()
+    v.record("a", shared)  # a holds the shared prefix, b nothing; a's full batch outweighs it
+    assert cost.choose(request(64, hashes=[1, 2, 3, 4], session="new"), v) == "b"
 
 
 def test_view_counters_follow_a_request_through_its_life():

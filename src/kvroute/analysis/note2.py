@@ -198,7 +198,7 @@ def setup_table(experiments: dict, setup_csv: Path | None, policy_names: dict[st
 #: macro keys of the CPU measurement's policies (LaTeX names take letters only)
 CPU_POLICY_KEYS = {
     "round_robin": "RoundRobin", "least_loaded": "LeastLoaded", "kv_aware": "Kv",
-    "hybrid_sticky:threshold_ms=500": "Hybrid", "sglang_router:cache_aware": "Sglang",
+    "cost_aware:alpha=1.0": "Cost", "hybrid_sticky:threshold_ms=500": "Hybrid", "sglang_router:cache_aware": "Sglang",
     "vllm_router:cache_aware": "Vllm",
 }
 #: imbalance (coefficient of variation of work over the workers) from which a run counts as

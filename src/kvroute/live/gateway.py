@@ -623,6 +623,8 @@ class Gateway:
         session_ttl_s: session table TTL.
         block_chars / chars_per_token: the prefix hasher (see :mod:`kvroute.live.prefix`).
         prefill_s_per_token / decode_s_per_running: the view's delay estimates.
+        max_num_seqs / decode_step_s: the engines' batch cap and full-batch decode step,
+            for the view's slot wait (:class:`~kvroute.live.view.GatewayView`).
         health_interval_s: period of the workers' GET /health probe.
         health_timeout_s: how long a probe waits (default: the period, within 0.5-5 s).
         connect_timeout_s: upstream connect timeout (a refused connect fails at once).
@@ -648,6 +650,8 @@ class Gateway:
         chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
         prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN,
         decode_s_per_running: float = DEFAULT_DECODE_S_PER_RUNNING,
+        max_num_seqs: int | None = None,
+        decode_step_s: float = 0.0,
         health_interval_s: float = 1.0,
         health_timeout_s: float | None = None,
         connect_timeout_s: float = 2.0,
@@ -667,6 +671,8 @@ class Gateway:
             self.sessions.peek,
             prefill_s_per_token=prefill_s_per_token,
             decode_s_per_running=decode_s_per_running,
+            max_num_seqs=max_num_seqs,
+            decode_step_s=decode_step_s,
             index_ttl_s=index_ttl_s,
             index_capacity_blocks=index_capacity_blocks,
         )
@@ -1154,6 +1160,10 @@ def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
               type=click.FloatRange(min=0), help="Per-token prefill estimate of the view (queue delay, cost_aware).")
 @click.option("--decode-ms-per-running", default=DEFAULT_DECODE_S_PER_RUNNING * 1e3, show_default=True,
               type=click.FloatRange(min=0), help="Queue-delay share of each running request.")
+@click.option("--max-num-seqs", default=None, type=click.IntRange(min=1),
+              help="The engines' batch cap: a full batch adds a slot wait to the queue delay (default: none).")
+@click.option("--decode-step-ms", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="One decode step with a full batch, for that slot wait.")
 @click.option("--health-interval-s", default=1.0, show_default=True, type=click.FloatRange(min=0.05),
               help="Period of the workers' GET /health probe.")
 @click.option("--index-ttl-s", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
@@ -1169,7 +1179,8 @@ def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
 def gateway_command(
     policy: str, workers: tuple[str, ...], host: str, port: int, redis_url: str | None,
     session_ttl_s: float, block_chars: int, chars_per_token: float, prefill_ms_per_token: float,
-    decode_ms_per_running: float, health_interval_s: float, index_ttl_s: float,
+    decode_ms_per_running: float, max_num_seqs: int | None, decode_step_ms: float, health_interval_s: float,
+    index_ttl_s: float,
     index_capacity_blocks: int | None, read_timeout_s: float, seed: int, log_level: str,
 ) -> None:
     """Route OpenAI-compatible requests to WORKERs with a kvroute policy.
@@ -1191,6 +1202,7 @@ def gateway_command(
         session_ttl_s=session_ttl_s, block_chars=block_chars, chars_per_token=chars_per_token,
         prefill_s_per_token=prefill_ms_per_token / 1e3,
         decode_s_per_running=decode_ms_per_running / 1e3,
+        max_num_seqs=max_num_seqs, decode_step_s=decode_step_ms / 1e3,
         health_interval_s=health_interval_s, index_ttl_s=index_ttl_s,
         index_capacity_blocks=index_capacity_blocks, read_timeout_s=read_timeout_s,
     )

@@ -51,7 +51,7 @@ async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: s
         spec,
         seed=seed,
         redis_url=redis_url,
-        prefill_s_per_token=_prefill_s_per_token(hw),
+        **_delay_model(hw),
     )
     await gw.start()
     try:
@@ -88,11 +88,19 @@ def per_worker_load(result: LoadResult, names: list[str], urls: list[str]) -> di
     return out
 
 
-def _prefill_s_per_token(hw) -> float:
-    """The hardware profile's marginal prefill cost per token, for the gateway's delay estimate."""
+def _delay_model(hw) -> dict[str, float]:
+    """The gateway view's delay estimates from the hardware profile's cost model: the
+    marginal prefill cost per token, and the batch cap with a full batch's decode step
+    (at 1,000 tokens of context each) for the slot wait."""
     from kvroute.costmodel import StepTimeModel
 
-    return StepTimeModel.from_hardware(hw).prefill_time(1000) / 1000
+    model = StepTimeModel.from_hardware(hw)
+    seqs = hw.engine.max_num_seqs
+    return {
+        "prefill_s_per_token": model.prefill_time(1000) / 1000,
+        "max_num_seqs": seqs,
+        "decode_step_s": model.step_time(seqs, seqs * 1000),
+    }
 
 
 def measure_experiment(

@@ -11,11 +11,16 @@ and the last byte came back, and the request text. From that it keeps per worker
 * ``active_blocks``: sum over in-flight requests of ``ceil((prompt + output so far) /
   block_size)``, with output tokens counted as streamed SSE events (``data:`` lines).
 * ``queue_delay_s``: ``prefill_s_per_token * (uncached prompt tokens of the waiting
-  requests) + decode_s_per_running * (running requests)``. The first term is the
-  prefill still queued ahead of a new request, "uncached" meaning prompt minus what
-  the approximate index matched when the request was routed; the second is the
+  requests) + decode_s_per_running * (running requests) + slot wait``. The first term
+  is the prefill still queued ahead of a new request, "uncached" meaning prompt minus
+  what the approximate index matched when the request was routed; the second is the
   decode share: every running request adds a decode token to each step that the
-  queued prefill shares.
+  queued prefill shares. The slot wait counts when the engine's batch is full
+  (``max_num_seqs``, when given): a new request then waits for running ones to
+  finish, ``ceil((in_flight + 1 - max_num_seqs) / max_num_seqs)`` replies of the
+  worker's mean length so far (output tokens of its finished requests) at
+  ``decode_step_s`` a token. Without that term a full batch looks free to a request
+  whose prompt is cached, and cost-aware routing piles every chat onto one worker.
 * ``matched_tokens``: leading chunks of the request's text found in the worker's
   :class:`~kvroute.kvcache.index.ApproxPrefixIndex` (what the gateway sent there
   within the TTL), times ``block_size`` tokens, capped at the prompt's estimate.
@@ -52,6 +57,8 @@ class WorkerState:
     waiting_uncached_tokens: int = 0  # uncached prompt tokens of in-flight, not yet running
     active_blocks: int = 0
     routed: int = 0  # requests routed here since start
+    finished: int = 0  # requests over, and their output tokens (the mean reply length)
+    output_tokens: int = 0
     down_since: float | None = None
 
 
@@ -78,6 +85,8 @@ class GatewayView:
         session_lookup: memory-only session lookup (``SessionStore.peek``).
         prefill_s_per_token: per-token prefill estimate (s).
         decode_s_per_running: queue-delay share of one running request (s).
+        max_num_seqs: the engines' batch cap (``None``: no slot wait is estimated).
+        decode_step_s: one decode step with a full batch (s), for the slot wait.
         index_ttl_s: the approximate index's TTL (Dynamo's approximate indexer: 120 s).
         index_capacity_blocks: per-worker bound of the index (``None``: TTL only).
         clock: monotonic seconds.
@@ -93,6 +102,8 @@ class GatewayView:
         *,
         prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN,
         decode_s_per_running: float = DEFAULT_DECODE_S_PER_RUNNING,
+        max_num_seqs: int | None = None,
+        decode_step_s: float = 0.0,
         index_ttl_s: float = 120.0,
         index_capacity_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -110,6 +121,8 @@ class GatewayView:
         self.block_size = block_size
         self.prefill_s_per_token = prefill_s_per_token
         self.decode_s_per_running = decode_s_per_running
+        self.max_num_seqs = max_num_seqs
+        self.decode_step_s = decode_step_s
         self.index = ApproxPrefixIndex(self._workers, block_size, index_capacity_blocks, index_ttl_s)
         self.session_lookup = session_lookup
         self.clock = clock
@@ -139,10 +152,12 @@ class GatewayView:
 
     def queue_delay_s(self, worker: str) -> float:
         s = self.state[worker]
-        return (
-            s.waiting_uncached_tokens * self.prefill_s_per_token
-            + s.running * self.decode_s_per_running
-        )
+        delay = s.waiting_uncached_tokens * self.prefill_s_per_token + s.running * self.decode_s_per_running
+        cap = self.max_num_seqs
+        if cap and s.in_flight >= cap and s.finished:
+            waves = -(-(s.in_flight + 1 - cap) // cap)
+            delay += waves * (s.output_tokens / s.finished) * self.decode_step_s
+        return delay
 
     def matched_tokens(self, worker: str, request: RouteRequest) -> int:
         if request is self._match_request:
@@ -215,6 +230,8 @@ class GatewayView:
         f.done = True
         s = f.worker
         s.in_flight -= 1
+        s.finished += 1
+        s.output_tokens += f.output_tokens
         s.active_blocks -= f.blocks
         if f.running:
             s.running -= 1
