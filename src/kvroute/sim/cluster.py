@@ -12,7 +12,7 @@ Only this module knows SimPy. Engines (``kvroute.sim.engine``) and policies
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,6 +182,7 @@ class SimCluster:
         c = hw.coefficients
         self._api_lo = max(0.0, c.api_overhead_ms - c.api_jitter_ms) * 1e-3
         self._api_hi = (c.api_overhead_ms + c.api_jitter_ms) * 1e-3
+        self._api_draws: Iterator[float] = iter(())
 
     # -- device sharing -----------------------------------------------------------
     def device_load_changed(self, driver: WorkerDriver) -> None:
@@ -212,9 +213,18 @@ class SimCluster:
         done = env.event()
         self.pending[rid] = Pending(conv, turn, i, env.now, done)
         ereq = EngineRequest(rid, prompt, output, hashes)
-        api = env.timeout(float(self.rng.uniform(self._api_lo, self._api_hi)))
+        api = env.timeout(self._api_delay())
         api.callbacks.append(lambda _ev: self._deliver(i, ereq))  # cheaper than a process
         return done
+
+    def _api_delay(self) -> float:
+        """One request's API-server overhead. Drawn in batches: the same values as one
+        draw per request (nothing else draws from ``rng``), a numpy call per thousand."""
+        delay = next(self._api_draws, None)
+        if delay is None:
+            self._api_draws = iter(self.rng.uniform(self._api_lo, self._api_hi, 1024).tolist())
+            delay = next(self._api_draws)
+        return delay
 
     def _deliver(self, i: int, ereq: EngineRequest) -> None:
         """The API server hands the request to the engine's queue."""
