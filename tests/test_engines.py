@@ -196,3 +196,24 @@ def test_unknown_kind_and_wrong_port_count_are_rejected(tmp_path):
         plan_workers(hw, "sglang", run_dir=tmp_path)
     with pytest.raises(EngineError, match="2 workers but 1 ports"):
         plan_workers(hw, "emulator", run_dir=tmp_path, ports=[1])
+
+
+def test_a_deep_run_folder_gets_a_short_tmpdir_removed_at_stop(tmp_path):
+    """vLLM binds IPC sockets at TMPDIR/<uuid>, and a Unix socket path holds 107 bytes:
+    a run folder deep enough to overflow it (a CI checkout's) gets a short TMPDIR in the
+    system's temporary directory, which stopping the workers removes."""
+    from kvroute.live.engines import MAX_TMPDIR_CHARS, worker_tmpdir
+
+    assert worker_tmpdir(Path("/r"), "w0") == Path("/r/w0/tmp")
+    deep = tmp_path / ("d" * 60) / "results" / "measure" / "explainer-two-replicas" / "cpu" / "engines"
+    short = worker_tmpdir(deep, "w0")
+    assert len(str(short)) <= MAX_TMPDIR_CHARS and short != worker_tmpdir(deep, "w1")
+    assert short == worker_tmpdir(deep, "w0")  # the same run folder, the same place
+    cmd, env = vllm_cpu_command(load_hardware("cpu"), 0, 8100, model_dir=Path("/m"), run_dir=deep, python="/p")
+    assert env["TMPDIR"] == str(short)
+    spec = WorkerSpec("w0", 0, "emulator", "127.0.0.1", 1, (sys.executable, "-c", "raise SystemExit(3)"),
+                      env={"TMPDIR": str(short)})
+    with pytest.raises(EngineError):
+        with Engines([spec], deep, health_timeout_s=10):
+            pass
+    assert not short.exists()

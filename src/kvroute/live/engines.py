@@ -27,13 +27,16 @@ then SIGKILL) on leaving, also on an exception, Ctrl-C or SIGTERM. No atexit hoo
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -118,8 +121,24 @@ def emulator_command(
             "--time-scale", repr(float(time_scale)), "--seed", str(seed)]
 
 
+#: longest TMPDIR whose vLLM IPC sockets (TMPDIR/<36-character uuid>) fit a Unix socket
+#: path (107 bytes): a checkout in a deep folder overflowed it
+MAX_TMPDIR_CHARS = 107 - 37 - 1
+
+
+def worker_tmpdir(run_dir: Path, name: str) -> Path:
+    """The worker's TMPDIR: ``run_dir/name/tmp`` when short enough for vLLM's IPC
+    sockets, else a folder of the system's temporary directory named after it (removed
+    when the workers stop)."""
+    tmp = (run_dir / name / "tmp").absolute()
+    if len(str(tmp)) <= MAX_TMPDIR_CHARS:
+        return tmp
+    tag = hashlib.sha1(str(tmp).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"kvroute-{tag}-{name}"
+
+
 def _common_vllm_env(run_dir: Path, name: str) -> dict[str, str]:
-    tmp, cache = run_dir / name / "tmp", run_dir / name / "cache"
+    tmp, cache = worker_tmpdir(run_dir, name), run_dir / name / "cache"
     return {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -521,6 +540,9 @@ class Engines:
                     p.wait(10)
             _signal_group(p, signal.SIGKILL)  # leftovers of its group (vLLM's engine core)
             self.procs[i] = None
+        tmp = self.specs[i].env.get("TMPDIR")
+        if tmp and not Path(tmp).is_relative_to(self.run_dir.absolute()):  # a short one outside the run
+            shutil.rmtree(tmp, ignore_errors=True)
         if self._logs[i] is not None:
             self._logs[i].close()
             self._logs[i] = None
