@@ -395,6 +395,7 @@ def test_profiles_name_their_executors():
     profiles = {p.parent.name: yaml.safe_load(p.read_text()) for p in (ROOT / "workflow/profiles").glob("*/config.yaml")}
     assert set(profiles) == {"default", "slurm", "kubernetes"}
     assert profiles["default"]["cores"] == 8 and "executor" not in profiles["default"]
+    assert profiles["default"]["scheduler"] == "greedy"  # the ILP one solves a program every round
     assert profiles["slurm"]["executor"] == "slurm"
     k8s = profiles["kubernetes"]
     assert k8s["executor"] == "kubernetes" and k8s["container-image"] and k8s["default-storage-provider"]
