@@ -12,7 +12,11 @@
 
 The policy objects are those of :mod:`kvroute.policies` (``make_policy(spec, rng)``
 once per gateway); the gateway fills their :class:`~kvroute.live.view.GatewayView`
-from its own counters. Responses are relayed as they arrive (``iter_any``: each chunk
+from its own counters. The view's prefix matches come from an approximate index of
+the request text it routed, or, with ``kv_events`` (one ZMQ endpoint per worker), from
+the engines' KV cache events (:mod:`kvroute.live.kv_events`): the gateway then
+tokenizes each request as the engine does (the model's chat template and tokenizer, or
+the emulator's) and the view is exact. Responses are relayed as they arrive (``iter_any``: each chunk
 written to the client as soon as it is read), non-streamed responses whole.
 
 Failures: a worker that refuses a connection is marked down (new requests avoid it)
@@ -53,6 +57,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import signal
 import socket
 from bisect import bisect_left
@@ -73,6 +78,14 @@ from prometheus_client.utils import floatToGoString
 from yarl import URL
 
 from kvroute.live.aio import cancel_all
+from kvroute.live.kv_events import (
+    ChatTokenizer,
+    ExactPrefixIndex,
+    KVEventSubscriber,
+    chain_hashes_of,
+    make_tokenizer,
+    request_ids,
+)
 from kvroute.live.prefix import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -80,6 +93,8 @@ from kvroute.live.prefix import (
     DEFAULT_CHARS_PER_TOKEN,
     PrefixHasher,
     PromptError,
+    chat_text,
+    completion_text,
 )
 from kvroute.live.sessions import SessionStore
 from kvroute.live.upstream import Upstream, UpstreamPool
@@ -321,14 +336,23 @@ class _StateCollector:
             "in_flight": ("requests routed to the worker and not finished", lambda s: s.in_flight),
             "waiting": ("in-flight requests with no response byte yet", lambda s: s.in_flight - s.running),
             "active_blocks": ("estimated KV blocks of in-flight requests", lambda s: s.active_blocks),
-            "index_blocks": ("blocks in the worker's approximate prefix index",
-                             lambda s: gw.view.index.size(s.name)),
+            "index_blocks": ("blocks in the worker's prefix index (the KV-event index when exact)",
+                             lambda s: gw.view.index_size(s.name)),
         }
         for name, (doc, get) in families.items():
             fam = GaugeMetricFamily(f"kvroute_gateway_{name}", doc, labels=["worker"])
             for s in gw.view.state.values():
                 fam.add_metric([s.name], float(get(s)))
             yield fam
+        ex = gw.exact_index
+        if ex is not None:
+            for key, doc in (("events", "KV cache events applied"), ("batches", "KV event batches received"),
+                             ("gaps", "KV event batches lost (sequence gaps not replayed)"),
+                             ("orphans", "stored blocks whose parent the index did not know")):
+                fam = CounterMetricFamily(f"kvroute_gateway_kv_{key}", doc, labels=["worker"])
+                for w in gw.view.workers:
+                    fam.add_metric([w], float(getattr(ex.workers[w], key)))
+                yield fam
 
 
 class _ClientConnection(asyncio.Protocol):
@@ -630,6 +654,14 @@ class Gateway:
         connect_timeout_s: upstream connect timeout (a refused connect fails at once).
         read_timeout_s: longest silence from an upstream before the request fails.
         index_ttl_s / index_capacity_blocks: the approximate prefix index's bounds.
+        kv_events: worker name -> ZMQ endpoint of its ``--kv-events-config`` (or one
+            endpoint per worker, in order): the view becomes exact, filled from the
+            engines' KV events; needs ``tokenizer`` and ``kv_block_size``.
+        tokenizer: ``emulator``, a model folder (chat template + tokenizer.json) or a
+            :class:`~kvroute.live.kv_events.ChatTokenizer`.
+        kv_block_size: the engines' KV block size in tokens.
+        kv_topic / kv_replay: the engines' topic and replay endpoints (worker -> endpoint).
+        kv_connect_timeout_s: how long ``start`` waits for every engine's publisher.
         session_kwargs: extra :class:`SessionStore` arguments (tests).
         fast_front: serve proxied POSTs with :class:`_ClientConnection` (False: aiohttp
             serves every request, as the gateway's own handler; tests compare both).
@@ -660,10 +692,31 @@ class Gateway:
         index_capacity_blocks: int | None = None,
         session_kwargs: dict | None = None,
         fast_front: bool = True,
+        kv_events: dict[str, str] | Sequence[str] | None = None,
+        tokenizer: str | ChatTokenizer | None = None,
+        kv_block_size: int | None = None,
+        kv_topic: str | dict[str, str] = "",
+        kv_replay: dict[str, str] | None = None,
+        kv_connect_timeout_s: float = 5.0,
     ) -> None:
         pairs = [parse_worker(w) if isinstance(w, str) else tuple(w) for w in workers]
         self.policy = make_policy(policy, np.random.default_rng(seed))
         self.hasher = PrefixHasher(block_chars, chars_per_token)
+        self.exact_index: ExactPrefixIndex | None = None
+        self.kv_subscriber: KVEventSubscriber | None = None
+        self.tokenizer: ChatTokenizer | None = None
+        self.kv_connect_timeout_s = kv_connect_timeout_s
+        if kv_events:
+            names = [n for n, _ in pairs]
+            if not isinstance(kv_events, dict):
+                if len(kv_events) != len(names):
+                    raise ValueError(f"{len(kv_events)} KV-event endpoints for {len(names)} workers")
+                kv_events = dict(zip(names, kv_events))
+            if tokenizer is None or not kv_block_size:
+                raise ValueError("KV events need the engines' tokenizer and KV block size")
+            self.tokenizer = make_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+            self.exact_index = ExactPrefixIndex(names, kv_block_size)
+            self.kv_subscriber = KVEventSubscriber(self.exact_index, kv_events, kv_topic, kv_replay)
         self.sessions = SessionStore(redis_url, ttl_s=session_ttl_s, **(session_kwargs or {}))
         self.view = GatewayView(
             pairs,
@@ -675,6 +728,7 @@ class Gateway:
             decode_step_s=decode_step_s,
             index_ttl_s=index_ttl_s,
             index_capacity_blocks=index_capacity_blocks,
+            exact_index=self.exact_index,
         )
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s or max(0.5, min(5.0, health_interval_s))
@@ -723,6 +777,12 @@ class Gateway:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         """Connect the session store, start the probe and listen on ``host:port``."""
         await self.sessions.start()
+        if self.kv_subscriber is not None:
+            await self.kv_subscriber.start()
+            late = await self.kv_subscriber.wait_connected(self.kv_connect_timeout_s)
+            if late:
+                log.warning("KV events: no publisher connected yet for %s (their blocks cached before "
+                            "they connect stay unknown)", late)
         self._pool = UpstreamPool(self.connect_timeout_s, self.read_timeout_s)
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=60.0,
@@ -777,6 +837,8 @@ class Gateway:
         if self._client is not None:
             await self._client.close()
             self._client = None
+        if self.kv_subscriber is not None:
+            await self.kv_subscriber.stop()
         await self.sessions.close()
 
     # -- helpers ---------------------------------------------------------------------
@@ -887,10 +949,21 @@ class Gateway:
                 400, f"request body must be a JSON object, got {type(payload).__name__}",
                 "invalid_request_error",
             )
-        try:
-            digest = self.hasher.digest(path, payload)
-        except PromptError as exc:
-            return _Failure(400, str(exc), "invalid_request_error")
+        if self.tokenizer is not None:
+            try:
+                text, turn = chat_text(payload) if path == CHAT_PATH else (completion_text(payload), 0)
+                ids = request_ids(self.tokenizer, path, payload)
+            except Exception as exc:  # noqa: BLE001 - what the template or tokenizer refuses, the engine would
+                return _Failure(400, f"cannot tokenize the request: {exc}", "invalid_request_error")
+            bs = self.exact_index.block_size
+            n = len(ids)
+            prompt_tokens, hashes = n, chain_hashes_of(ids, bs, limit_blocks=(n - 1) // bs)
+        else:
+            try:
+                digest = self.hasher.digest(path, payload)
+            except PromptError as exc:
+                return _Failure(400, str(exc), "invalid_request_error")
+            text, turn, prompt_tokens, hashes = digest.text, digest.turn, digest.prompt_tokens, digest.block_hashes
         if not sid:
             user = payload.get("user")
             sid = user if isinstance(user, str) and user else None
@@ -900,7 +973,7 @@ class Gateway:
             await self.sessions.get(sid)  # memory, else Redis: fills what view.session_worker reads
         else:
             sid = f"anon-{rid}"  # the policy sees a fresh session per request
-        req = RouteRequest(rid, sid, digest.turn, digest.prompt_tokens, digest.block_hashes, digest.text)
+        req = RouteRequest(rid, sid, turn, prompt_tokens, hashes, text)
         try:
             worker, matched = self._decide(req, known)
         except NoWorkerUpError as exc:
@@ -1016,11 +1089,14 @@ class Gateway:
                 "waiting": s.in_flight - s.running,
                 "active_blocks": s.active_blocks,
                 "queue_delay_s": v.queue_delay_s(s.name),
-                "index_blocks": v.index.size(s.name),
+                "index_blocks": v.index_size(s.name),
                 "routed": s.routed,
             }
             for s in v.state.values()
         }
+        if self.exact_index is not None:
+            for name, w in workers.items():
+                w["kv_events"] = self.exact_index.stats(name)
         up = any(s.up for s in v.state.values())
         body = {
             "status": "ok" if up else "no_worker_up",
@@ -1028,6 +1104,7 @@ class Gateway:
             "redis": (
                 ("up" if self.sessions.redis_up else "down") if self.sessions.redis_enabled else "off"
             ),
+            "view": "exact" if self.view.exact else "approx",
             "workers": workers,
         }
         return web.json_response(body, status=200 if up else 503)
@@ -1172,6 +1249,14 @@ def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
               help="Bound of each worker's approximate index in chunks (default: TTL only).")
 @click.option("--read-timeout-s", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Longest silence from a worker before its request fails.")
+@click.option("--kv-events", "kv_events", multiple=True,
+              help="ZMQ endpoint of a worker's KV events (its --kv-events-config endpoint), NAME=ENDPOINT or one "
+                   "per --worker in order; makes the view exact. tcp://127.0.0.1:P is bound here (the engine connects).")
+@click.option("--tokenizer", default=None,
+              help="With --kv-events: the model folder (chat template + tokenizer.json) or 'emulator'.")
+@click.option("--kv-block-size", default=None, type=click.IntRange(min=1),
+              help="With --kv-events: the engines' KV block size in tokens (vLLM: 16 on GPU, 128 on the CPU build).")
+@click.option("--kv-topic", default="", help="With --kv-events: the engines' event topic.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policy's rng.")
 @click.option("--log-level", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
@@ -1181,7 +1266,8 @@ def gateway_command(
     session_ttl_s: float, block_chars: int, chars_per_token: float, prefill_ms_per_token: float,
     decode_ms_per_running: float, max_num_seqs: int | None, decode_step_ms: float, health_interval_s: float,
     index_ttl_s: float,
-    index_capacity_blocks: int | None, read_timeout_s: float, seed: int, log_level: str,
+    index_capacity_blocks: int | None, read_timeout_s: float, kv_events: tuple[str, ...], tokenizer: str | None,
+    kv_block_size: int | None, kv_topic: str, seed: int, log_level: str,
 ) -> None:
     """Route OpenAI-compatible requests to WORKERs with a kvroute policy.
 
@@ -1195,6 +1281,11 @@ def gateway_command(
         pairs = [parse_worker(w) for w in workers]
         make_policy(policy, np.random.default_rng(seed))  # fail before listening
         PrefixHasher(block_chars, chars_per_token)
+        kv = _kv_endpoints(kv_events, [n for n, _ in pairs])
+        if kv and (tokenizer is None or kv_block_size is None):
+            raise ValueError("--kv-events needs --tokenizer (model folder or 'emulator') and --kv-block-size")
+        if kv:
+            make_tokenizer(tokenizer)  # a bad folder fails here, not on the first request
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     run_gateway(
@@ -1205,4 +1296,21 @@ def gateway_command(
         max_num_seqs=max_num_seqs, decode_step_s=decode_step_ms / 1e3,
         health_interval_s=health_interval_s, index_ttl_s=index_ttl_s,
         index_capacity_blocks=index_capacity_blocks, read_timeout_s=read_timeout_s,
+        kv_events=kv or None, tokenizer=tokenizer, kv_block_size=kv_block_size, kv_topic=kv_topic,
     )
+
+
+def _kv_endpoints(specs: Sequence[str], names: list[str]) -> dict[str, str]:
+    """``--kv-events`` values -> worker name -> endpoint (NAME=ENDPOINT, or in worker order)."""
+    if not specs:
+        return {}
+    named = [s.partition("=") for s in specs]
+    if all(eq for _, eq, _ in named):
+        out = {n: ep for n, _, ep in named}
+        if set(out) != set(names):
+            raise ValueError(f"--kv-events names {sorted(out)} do not match the workers {names}")
+        return out
+    if any(eq for _, eq, _ in named) or len(specs) != len(names):
+        raise ValueError(f"--kv-events: give NAME=ENDPOINT for every worker, or one endpoint per --worker "
+                         f"in order ({len(names)} workers, {len(specs)} endpoints)")
+    return dict(zip(names, specs))

@@ -27,7 +27,12 @@ and the last byte came back, and the request text. From that it keeps per worker
 * ``index_size``: chunks in that index; ``prefill_time_s``: ``tokens *
   prefill_s_per_token``; ``session_worker``: the session table's memory.
 
-``exact`` is False: matches come from routing history, not from the engines.
+``exact`` is False: matches come from routing history, not from the engines. With an
+:class:`~kvroute.live.kv_events.ExactPrefixIndex` (the gateway's ``--kv-events``),
+``exact`` is True: ``matched_tokens`` is the leading blocks of the request's *token*
+hashes that the engine's KV events say it caches, at most ``(prompt - 1) // block_size``
+of them (vLLM always computes the last prompt token), times ``block_size``, the engines'
+KV block; ``index_size`` is that worker's cached blocks; the approximate index is not kept.
 The view is mutated only by the gateway between decisions (single event loop), so a
 policy always reads a consistent snapshot during ``choose``.
 """
@@ -39,6 +44,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvroute.kvcache.index import ApproxPrefixIndex
+from kvroute.live.kv_events import ExactPrefixIndex
 from kvroute.policies.base import RouteRequest
 
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-4  # ~0.1 ms/token: a 7B model's prefill on an A6000
@@ -90,6 +96,8 @@ class GatewayView:
         index_ttl_s: the approximate index's TTL (Dynamo's approximate indexer: 120 s).
         index_capacity_blocks: per-worker bound of the index (``None``: TTL only).
         clock: monotonic seconds.
+        exact_index: the engines' KV-event index; makes the view exact (``block_size``
+            is then the index's, the engines' KV block).
     """
 
     exact = False
@@ -107,6 +115,7 @@ class GatewayView:
         index_ttl_s: float = 120.0,
         index_capacity_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        exact_index: ExactPrefixIndex | None = None,
     ) -> None:
         self.state: dict[str, WorkerState] = {}
         for name, url in workers:
@@ -124,6 +133,13 @@ class GatewayView:
         self.max_num_seqs = max_num_seqs
         self.decode_step_s = decode_step_s
         self.index = ApproxPrefixIndex(self._workers, block_size, index_capacity_blocks, index_ttl_s)
+        self.exact_index = exact_index
+        if exact_index is not None:
+            missing = set(self._workers) - set(exact_index.workers)
+            if missing:
+                raise ValueError(f"the KV-event index lacks workers {sorted(missing)}")
+            self.exact = True  # the instance's truth; the class says approximate
+            self.block_size = exact_index.block_size
         self.session_lookup = session_lookup
         self.clock = clock
         self.now = clock()  # the decision time the index is read at; set by `snapshot`
@@ -167,6 +183,11 @@ class GatewayView:
         else:
             self._match_request = request
             self._matches = {}
+        ex = self.exact_index
+        if ex is not None:
+            blocks = min(ex.match(worker, request.block_hashes), (request.prompt_tokens - 1) // self.block_size)
+            n = self._matches[worker] = max(0, blocks) * self.block_size
+            return n
         n = self._matches[worker] = min(
             self.index.match(worker, request.block_hashes, self.now) * self.block_size,
             request.prompt_tokens,
@@ -174,6 +195,8 @@ class GatewayView:
         return n
 
     def index_size(self, worker: str) -> int:
+        if self.exact_index is not None:
+            return self.exact_index.size(worker)
         return self.index.size(worker)
 
     def prefill_time_s(self, worker: str, tokens: int) -> float:
@@ -189,9 +212,11 @@ class GatewayView:
         self._match_request = None
 
     def record(self, worker: str, request: RouteRequest) -> None:
-        """Record a decision in the approximate index (at the decision's time)."""
+        """Record a decision in the approximate index (at the decision's time); the exact
+        view learns from the engines instead."""
         self._match_request = None
-        self.index.record(worker, request.block_hashes, self.now)
+        if self.exact_index is None:
+            self.index.record(worker, request.block_hashes, self.now)
 
     def begin(self, worker: str, request: RouteRequest, matched_tokens: int) -> Flight:
         """Count a request routed to ``worker``; returns its :class:`Flight`."""
