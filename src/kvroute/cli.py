@@ -24,8 +24,11 @@ from kvroute.experiment import ExperimentError, load_experiment
 @click.option("--time-scale", type=float, default=1.0, show_default=True, help="Emulator only: real seconds per modelled second.")
 @click.option("--max-requests", type=click.IntRange(min=1), help="Bound on requests per policy and round.")
 @click.option("--time-limit-s", type=float, help="Bound on seconds per policy and round.")
+@click.option("--kv-events", is_flag=True,
+              help="Engines publish KV cache events (ZMQ) and the gateway routes from them: an exact view (records: view=exact).")
 def measure(experiment: Path, hardware: str, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None,
-            engine: str | None, redis_url: str | None, time_scale: float, max_requests: int | None, time_limit_s: float | None) -> None:
+            engine: str | None, redis_url: str | None, time_scale: float, max_requests: int | None, time_limit_s: float | None,
+            kv_events: bool) -> None:
     """Measure EXPERIMENT on real engines behind the gateway: engines up, load, engines down."""
     from kvroute.live.engines import EngineError
     from kvroute.live.measure import measure_experiment
@@ -33,7 +36,7 @@ def measure(experiment: Path, hardware: str, out: Path, policies: tuple[str, ...
     try:
         exp = load_experiment(experiment)
         summary = measure_experiment(exp, out, hardware, list(policies) or None, rounds, round_, engine, redis_url,
-                                     time_scale, max_requests, time_limit_s)
+                                     time_scale, max_requests, time_limit_s, kv_events)
     except (ExperimentError, EngineError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     cols = ["hardware", "policy", "round", "requests", "errors", "later_ttft_mean_ms", "hit_rate", "imbalance"]

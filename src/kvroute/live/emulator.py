@@ -30,6 +30,16 @@ Every completion body (and every streamed chunk) also names the worker that serv
 ``"kvroute_worker": "w0"`` (:data:`WORKER_FIELD`), so a client behind a router that
 drops response headers (the production routers) can still attribute each request.
 
+KV cache events: with ``--kv-events-config`` (vLLM's flag and JSON) the worker publishes
+its block pool's changes in vLLM's format over ZMQ (:class:`~kvroute.live.kv_events.
+KVEventPublisher`): after every step that changed the pool, one batch of
+``BlockRemoved`` for the hashes that left it and ``BlockStored`` (one block each,
+parents first) for those that entered, and ``AllBlocksCleared`` on a reset. The pool
+is compared with the previous step's (skipped when neither its size nor its eviction
+count moved), so the pool's own code is not touched. The block hashes it sends are
+its own (kvroute's chain hashes over its word tokenizer's ids); a subscriber keys them
+by their token ids anyway, as it must for vLLM.
+
 Not modelled: workers that time-share one device (each emulator process runs with the
 device to itself), sampling parameters (ignored), and stop strings.
 """
@@ -58,6 +68,7 @@ from kvroute.hardware import Hardware, load_hardware
 from kvroute.live import text
 from kvroute.live.engines import max_model_len as default_max_model_len
 from kvroute.live.engines import served_model_name
+from kvroute.live.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from kvroute.sim.engine import Engine, EngineRequest
 
 log = logging.getLogger(__name__)
@@ -91,7 +102,8 @@ class Job:
 class EmulatedWorker:
     """One engine and the task that drives it in real time."""
 
-    def __init__(self, hw: Hardware, worker_index: int, time_scale: float = 1.0, seed: int = 0):
+    def __init__(self, hw: Hardware, worker_index: int, time_scale: float = 1.0, seed: int = 0,
+                 kv_events: KVEventPublisher | None = None):
         if not 0 <= worker_index < hw.workers:
             raise ValueError(f"worker index {worker_index} out of range: {hw.name!r} has {hw.workers} workers")
         if not (time_scale >= 0 and math.isfinite(time_scale)):
@@ -121,6 +133,11 @@ class EmulatedWorker:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.request_success_total = 0
+        # KV events: the pool's hashes at the last publication, and each hash's parent and tokens
+        self.kv_events = kv_events
+        self._published: set[int] = set()
+        self._pool_mark: tuple[int, int] = (0, 0)
+        self._block_info: dict[int, tuple[int | None, tuple[int, ...], int]] = {}
 
     # -- requests -------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], max_tokens: int) -> Job:
@@ -129,6 +146,8 @@ class EmulatedWorker:
             raise RuntimeError(f"engine failed: {self.failure!r}")
         reply = text.reply_token_ids(prompt_ids, max_tokens)
         hashes = text.block_hashes(prompt_ids + reply, self.block_size)
+        if self.kv_events is not None:
+            self._note_blocks(prompt_ids + reply, hashes)
         rid = self._next_rid
         self._next_rid += 1
         job = Job(EngineRequest(rid, len(prompt_ids), max_tokens, hashes), reply)
@@ -189,11 +208,59 @@ class EmulatedWorker:
         """Forget every cached block (False while requests hold blocks, as in vLLM)."""
         if not self.engine.idle or self._in_transit:
             return False
-        return self.engine.pool.reset_prefix_cache()
+        ok = self.engine.pool.reset_prefix_cache()
+        if ok and self.kv_events is not None:
+            self._published = set()
+            self._pool_mark = (0, self._evictions())
+            self.kv_events.publish([AllBlocksCleared()])
+        return ok
+
+    # -- KV events ------------------------------------------------------------------
+    def _note_blocks(self, ids: list[int], hashes: list[int]) -> None:
+        """Remember each block's parent, tokens and depth, to describe it when it is cached."""
+        info, bs = self._block_info, self.block_size
+        parent = None
+        for i, h in enumerate(hashes):
+            if h not in info:
+                info[h] = (parent, tuple(ids[i * bs : (i + 1) * bs]), i)
+            parent = h
+        if len(info) > 4 * self.hw.num_blocks + 4096:  # forget blocks neither cached nor wanted
+            keep = set(self.engine.pool.cached)
+            for job in self.jobs.values():
+                keep.update(job.req.hashes)
+            keep.update(hashes)
+            self._block_info = {h: v for h, v in info.items() if h in keep}
+
+    def _evictions(self) -> int:
+        return getattr(self.engine.pool, "num_evictions", -1)
+
+    def _publish_kv(self) -> None:
+        """Publish what entered and left the pool since the last call (one batch)."""
+        cached = self.engine.pool.cached
+        mark = (len(cached), self._evictions())
+        if mark == self._pool_mark and mark[1] >= 0:
+            return  # nothing entered without growing the pool, nothing left without an eviction
+        self._pool_mark = mark
+        prev = self._published
+        removed = [h for h in prev if h not in cached]
+        added = [h for h in cached if h not in prev]
+        if not removed and not added:
+            return
+        self._published = set(cached)
+        events: list = [BlockRemoved(block_hashes=removed, medium="GPU")] if removed else []
+        info = self._block_info
+        added.sort(key=lambda h: info[h][2] if h in info else 0)
+        for h in added:
+            parent, tokens, _depth = info[h]
+            events.append(BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=list(tokens),
+                                      block_size=self.block_size, medium="GPU"))
+        self.kv_events.publish(events)
 
     # -- the driver -----------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"emulator-{self.name}")
+        if self.kv_events is not None:
+            self.kv_events.start()
 
     async def stop(self) -> None:
         """Stop the driver; requests still open fail at once (their streams are dropped)."""
@@ -209,6 +276,9 @@ class EmulatedWorker:
         if self.failure is None:
             self.failure = RuntimeError("the emulator is shutting down")
         self._fail_open_jobs()
+        if self.kv_events is not None:
+            pub, self.kv_events = self.kv_events, None
+            await pub.close()
 
     def _fail_open_jobs(self) -> None:
         for job in self.jobs.values():
@@ -269,6 +339,8 @@ class EmulatedWorker:
                     if self._arrived or self._aborts:
                         break
             _first, done = eng.commit(plan, steps, start)
+            if self.kv_events is not None:
+                self._publish_kv()
             for r, _ in plan.sched:
                 job = self.jobs[r.rid]
                 if r.num_generated > job.emitted:
@@ -601,10 +673,16 @@ async def start_emulator(
     model_name: str | None = None,
     max_model_len: int | None = None,
     seed: int = 0,
+    kv_events_config: str | dict | None = None,
 ) -> RunningEmulator:
-    """Serve one emulated worker in the running loop; ``port=0`` picks a free port."""
+    """Serve one emulated worker in the running loop; ``port=0`` picks a free port.
+
+    ``kv_events_config``: vLLM's ``--kv-events-config`` (JSON or a dict): publish the
+    block pool's KV events over ZMQ.
+    """
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
-    worker = EmulatedWorker(hw, worker_index, time_scale, seed)
+    pub = KVEventPublisher.from_config(kv_events_config) if kv_events_config else None
+    worker = EmulatedWorker(hw, worker_index, time_scale, seed, kv_events=pub)
     server = EmulatorServer(worker, model_name or served_model_name(hw), max_model_len or default_max_model_len(hw))
     runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=2.0)
     await runner.setup()
@@ -620,9 +698,11 @@ async def start_emulator(
 
 async def _serve(hardware: str, worker_index: int, host: str, port: int, time_scale: float,
                  model_name: str | None, max_model_len: int | None, seed: int,
-                 on_ready: Callable[[RunningEmulator], None] | None = None) -> None:
+                 on_ready: Callable[[RunningEmulator], None] | None = None,
+                 kv_events_config: str | None = None) -> None:
     emu = await start_emulator(hardware, worker_index, host=host, port=port, time_scale=time_scale,
-                               model_name=model_name, max_model_len=max_model_len, seed=seed)
+                               model_name=model_name, max_model_len=max_model_len, seed=seed,
+                               kv_events_config=kv_events_config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -637,15 +717,17 @@ async def _serve(hardware: str, worker_index: int, host: str, port: int, time_sc
 
 def run_emulator(hardware: str, worker_index: int = 0, host: str = "127.0.0.1", port: int = 8000,
                  time_scale: float = 1.0, model_name: str | None = None, max_model_len: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, kv_events_config: str | None = None) -> None:
     """Serve until SIGINT or SIGTERM (uvloop where available)."""
 
     def ready(emu: RunningEmulator) -> None:
         w = emu.worker
+        kv = f", KV events to {w.kv_events.endpoint}" if w.kv_events is not None else ""
         print(f"kvroute emulator (EMULATED) {w.name} of {w.hw.name} serving {emu.server.model_name!r} "
-              f"on {emu.url} (time scale {w.time_scale:g}, {w.hw.num_blocks} blocks of {w.block_size})", flush=True)
+              f"on {emu.url} (time scale {w.time_scale:g}, {w.hw.num_blocks} blocks of {w.block_size}{kv})", flush=True)
 
-    coro = _serve(hardware, worker_index, host, port, time_scale, model_name, max_model_len, seed, ready)
+    coro = _serve(hardware, worker_index, host, port, time_scale, model_name, max_model_len, seed, ready,
+                  kv_events_config)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
@@ -664,18 +746,24 @@ def run_emulator(hardware: str, worker_index: int = 0, host: str = "127.0.0.1", 
 @click.option("--model-name", help="Served model name (default: from the profile's model).")
 @click.option("--max-model-len", type=click.IntRange(min=1), help="Longest prompt + reply accepted (default: from the profile).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the API-delay jitter.")
+@click.option("--kv-events-config", default=None,
+              help="vLLM's flag: JSON with enable_kv_cache_events, endpoint (tcp://127.0.0.1:P connects, as vLLM "
+                   "does), topic, replay_endpoint; publishes the block pool's KV events over ZMQ.")
 def emulate(hardware: str, worker_index: int, port: int, host: str, time_scale: float,
-            model_name: str | None, max_model_len: int | None, seed: int) -> None:
+            model_name: str | None, max_model_len: int | None, seed: int, kv_events_config: str | None) -> None:
     """Serve one EMULATED worker of a hardware profile (OpenAI-compatible, vLLM metrics)."""
     try:
         hw = load_hardware(hardware)
         if worker_index >= hw.workers:
             raise ValueError(f"--worker-index {worker_index} out of range: {hardware!r} has {hw.workers} workers")
+        if kv_events_config is not None:
+            json.loads(kv_events_config)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        run_emulator(hardware, worker_index, host, port, time_scale, model_name, max_model_len, seed)
+        run_emulator(hardware, worker_index, host, port, time_scale, model_name, max_model_len, seed,
+                     kv_events_config)
     except OSError as exc:  # port in use, bad address
         raise click.ClickException(f"cannot serve on {host}:{port}: {exc}") from exc
 

@@ -21,6 +21,13 @@ engine's Python is ``python``, else ``$KVROUTE_ENGINE_PYTHON``, else this interp
 interpreter has no vLLM, ``.venv-engine-cpu/bin/python`` (``make engine-cpu``); a
 Python without vLLM, or a missing model, is an :class:`EngineError` that says what to build.
 
+With ``kv_events=True`` every worker also gets ``--kv-events-config`` (vLLM's flag,
+which the emulator takes too): ZMQ KV cache events to ``tcp://127.0.0.1:P``, a free
+port per worker that the gateway binds (an endpoint without ``*`` makes vLLM connect,
+so nothing listens beyond loopback), topic ``kv@NAME``; ``Engines.kv_events`` maps
+each worker to its endpoint and ``Engines.tokenizer`` says what the gateway tokenizes
+with (the model folder, or ``emulator``).
+
 Workers run in their own process groups; :func:`running_engines` stops them (SIGTERM,
 then SIGKILL) on leaving, also on an exception, Ctrl-C or SIGTERM. No atexit hooks.
 """
@@ -98,6 +105,8 @@ class WorkerSpec:
     env: Mapping[str, str] = field(default_factory=dict)  # set on top of the parent's
     unset_env: tuple[str, ...] = ()  # removed from the parent's
     device: int = 0  # device (GPU, or core for the CPU build) the worker runs on
+    kv_events: str | None = None  # the ZMQ endpoint of its KV cache events, if enabled
+    model_dir: str | None = None  # the model folder a vLLM worker serves (its tokenizer)
 
     @property
     def url(self) -> str:
@@ -209,6 +218,18 @@ def vllm_cpu_command(
     # which made decode about 15 times slower (200 ms a token instead of 11) and TTFT 1.7x.
     env["OMP_NUM_THREADS"] = "1"
     return cmd, env
+
+
+def kv_events_config(endpoint: str, topic: str = "") -> str:
+    """vLLM's ``--kv-events-config`` JSON for ZMQ events to ``endpoint``."""
+    import json
+
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": topic})
+
+
+def kv_topic(name: str) -> str:
+    """The KV-event topic of worker ``name`` (the gateway subscribes to it)."""
+    return f"kv@{name}"
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -343,6 +364,7 @@ def plan_workers(
     model_dir: str | os.PathLike | None = None,
     python: str | None = None,
     check: bool = True,
+    kv_events: bool = False,
 ) -> list[WorkerSpec]:
     """Commands for every worker of ``hw`` (nothing is started).
 
@@ -350,6 +372,7 @@ def plan_workers(
         kind: ``emulator``, ``vllm`` or ``vllm-cpu``; default the profile's engine kind.
         ports: one per worker; default free ports.
         check: verify the engine's Python and model first (vLLM kinds).
+        kv_events: publish KV cache events over ZMQ to a free loopback port per worker.
     """
     kind = kind or hw.engine.kind
     if kind not in ENGINE_KINDS:
@@ -359,11 +382,16 @@ def plan_workers(
         raise EngineError(f"hardware {hw.name!r} has {hw.workers} workers but {len(ports)} ports were given")
     run_dir = Path(run_dir).resolve()
     specs = []
+    kv = [f"tcp://127.0.0.1:{p}" for p in free_ports(hw.workers)] if kv_events else [None] * hw.workers
+
+    def kv_args(i: int) -> list[str]:
+        return ["--kv-events-config", kv_events_config(kv[i], kv_topic(hw.worker_names[i]))] if kv[i] else []
+
     if kind == "emulator":
         env = {"PYTHONUNBUFFERED": "1"}
         for i, port in enumerate(ports):
-            cmd = emulator_command(hw, i, port, host=host, time_scale=time_scale, seed=seed, python=python)
-            specs.append(WorkerSpec(hw.worker_names[i], i, kind, host, port, tuple(cmd), env, (), hw.gpu_of(i)))
+            cmd = emulator_command(hw, i, port, host=host, time_scale=time_scale, seed=seed, python=python) + kv_args(i)
+            specs.append(WorkerSpec(hw.worker_names[i], i, kind, host, port, tuple(cmd), env, (), hw.gpu_of(i), kv[i]))
         return specs
     py = engine_python(python, kind)
     if check:
@@ -373,13 +401,16 @@ def plan_workers(
     for i, port in enumerate(ports):
         if kind == "vllm-cpu":
             core = i % ncores
-            cmd, env = vllm_cpu_command(hw, i, port, model_dir=model, run_dir=run_dir, host=host, python=py, core=core)
+            cmd, env = vllm_cpu_command(hw, i, port, model_dir=model, run_dir=run_dir, host=host, python=py, core=core,
+                                        extra_args=kv_args(i))
             # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override --kv-cache-memory-bytes
             specs.append(WorkerSpec(hw.worker_names[i], i, kind, host, port, tuple(cmd), env,
-                                    ("VLLM_CPU_KVCACHE_SPACE",), core))
+                                    ("VLLM_CPU_KVCACHE_SPACE",), core, kv[i], str(model)))
         else:
-            cmd, env = vllm_command(hw, i, port, model_dir=model, run_dir=run_dir, host=host, python=py)
-            specs.append(WorkerSpec(hw.worker_names[i], i, kind, host, port, tuple(cmd), env, (), hw.gpu_of(i)))
+            cmd, env = vllm_command(hw, i, port, model_dir=model, run_dir=run_dir, host=host, python=py,
+                                    extra_args=kv_args(i))
+            specs.append(WorkerSpec(hw.worker_names[i], i, kind, host, port, tuple(cmd), env, (), hw.gpu_of(i),
+                                    kv[i], str(model)))
     return specs
 
 
@@ -433,6 +464,20 @@ class Engines:
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
+
+    @property
+    def kv_events(self) -> dict[str, str]:
+        """Worker -> its KV-event endpoint (empty unless started with ``kv_events``)."""
+        return {s.name: s.kv_events for s in self.specs if s.kv_events}
+
+    @property
+    def kv_topics(self) -> dict[str, str]:
+        return {s.name: kv_topic(s.name) for s in self.specs if s.kv_events}
+
+    @property
+    def tokenizer(self) -> str:
+        """What the gateway tokenizes requests with: the served model folder, or ``emulator``."""
+        return "emulator" if self.kind == "emulator" else str(self.specs[0].model_dir)
 
     @property
     def pids(self) -> list[int]:
@@ -599,6 +644,7 @@ def running_engines(
     model_dir: str | os.PathLike | None = None,
     python: str | None = None,
     health_timeout_s: float | None = None,
+    kv_events: bool = False,
 ) -> Iterator[Engines]:
     """Start the workers of ``hardware`` (all healthy on entry) and stop them on exit.
 
@@ -610,7 +656,7 @@ def running_engines(
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     kind = kind or hw.engine.kind
     specs = plan_workers(hw, kind, run_dir=Path(run_dir), host=host, ports=ports, time_scale=time_scale,
-                         seed=seed, model_dir=model_dir, python=python)
+                         seed=seed, model_dir=model_dir, python=python, kv_events=kv_events)
     sequential = kind == "vllm" and hw.workers_per_gpu > 1
     with Engines(specs, Path(run_dir), health_timeout_s, sequential) as eng:
         yield eng

@@ -6,7 +6,9 @@ policy reset every engine's prefix cache (no policy inherits another's cache), s
 gateway routing with that policy, replay the round's trace through it with the load
 generator, and stop the gateway. Records carry ``source`` = ``live`` for real engines
 and ``emulated`` for the emulator; the gateway's prefix view is approximate (``view`` =
-``approx``). Engines are always stopped, also on an error or Ctrl-C.
+``approx``), or, with ``kv_events``, exact (``view`` = ``exact``): the engines publish
+their KV cache events and each gateway subscribes to them
+(:mod:`kvroute.live.kv_events`). Engines are always stopped, also on an error or Ctrl-C.
 
 A production router's spec (``sglang_router:cache_aware``, ``vllm_router:consistent_hash``,
 ... see :mod:`kvroute.live.peers`) runs that router in the gateway's place, fronting
@@ -46,12 +48,17 @@ PEER_VIEW = "peer"
 
 
 async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: str | None, **load_kwargs):
+    kv = {}
+    if engines.kv_events:
+        kv = {"kv_events": engines.kv_events, "kv_topic": engines.kv_topics, "tokenizer": engines.tokenizer,
+              "kv_block_size": hw.engine.block_size}
     gw = Gateway(
         [f"{n}={u}" for n, u in zip(engines.names, engines.urls)],
         spec,
         seed=seed,
         redis_url=redis_url,
         **_delay_model(hw),
+        **kv,
     )
     await gw.start()
     try:
@@ -115,9 +122,13 @@ def measure_experiment(
     time_scale: float = 1.0,
     max_requests: int | None = None,
     time_limit_s: float | None = None,
+    kv_events: bool = False,
 ) -> pd.DataFrame:
     """Measure ``exp``'s policies (kvroute's, or production routers) on ``hardware``;
     write ``out``'s records, summary and load.json.
+
+    ``kv_events``: the engines publish KV cache events and kvroute's gateways route from
+    them (an exact view; the production routers ignore them).
 
     Raises:
         EngineError: an engine or a production router cannot be started or reached
@@ -125,13 +136,13 @@ def measure_experiment(
     """
     try:
         return _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale,
-                                   max_requests, time_limit_s)
+                                   max_requests, time_limit_s, kv_events)
     except PeerError as exc:
         raise EngineError(str(exc)) from exc
 
 
 def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale, max_requests,
-                        time_limit_s) -> pd.DataFrame:
+                        time_limit_s, kv_events=False) -> pd.DataFrame:
     hw = load_hardware(hardware)
     runs = exp.expand(policies, hardware, rounds, round_, measured=True)
     for r in runs:  # bad specs (and a missing routers environment) fail before any engine starts
@@ -145,7 +156,8 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
     workers: dict[tuple, list[str]] = {}
     checks: dict[str, dict] = {}
     loads: dict[str, dict] = {}
-    with running_engines(hw, run_dir=out / "engines", kind=engine, time_scale=time_scale) as engines:
+    with running_engines(hw, run_dir=out / "engines", kind=engine, time_scale=time_scale,
+                         kv_events=kv_events) as engines:
         source = "emulated" if engines.kind == "emulator" else "live"
         for run in runs:
             trace = load_trace(exp, run.round)
@@ -163,13 +175,14 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
                 )
             records += records_for(result.rows, source=source, experiment=exp.name, hardware=hardware,
                                    policy=run.policy, round=run.round, seed=trace_seed(exp.seed, run.round),
-                                   view=PEER_VIEW if peer else "approx")
+                                   view=PEER_VIEW if peer else "exact" if kv_events else "approx")
             workers[(exp.name, hardware, run.policy, run.round)] = list(engines.names)
             key = f"{run.policy} round {run.round}"
             checks[key] = result.cross_check()
             loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))
     summary = write_results(records, out, workers=workers,
-                            extra={"engine": engine or hw.engine.kind, "cross_check": checks, "per_worker": loads})
+                            extra={"engine": engine or hw.engine.kind, "cross_check": checks, "per_worker": loads,
+                                   "kv_events": kv_events})
     return _imbalance_from_metrics(summary, records, loads, out)
 
 
