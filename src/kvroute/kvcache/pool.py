@@ -156,6 +156,24 @@ class BlockPool:
         self._num_free -= int(np.count_nonzero(ref[idx] == 0))
         ref[idx] += 1
 
+    def touch_if_room(self, blocks: np.ndarray, extra: int) -> bool:
+        """Take a reference on distinct ``blocks`` if the free queue can then still
+        supply ``extra`` new blocks; else change nothing and return False.
+
+        :meth:`num_idle` and :meth:`touch_blocks` in one pass over the blocks' counts
+        (an admission's check and its touch)."""
+        if not len(blocks):
+            return extra <= self._num_free
+        ref = self.ref
+        counts = ref[blocks]
+        idle = int(np.count_nonzero(counts == 0))
+        if extra + idle > self._num_free:
+            return False
+        counts += 1
+        ref[blocks] = counts
+        self._num_free -= idle
+        return True
+
     def get_new_blocks(self, n: int) -> list[int] | None:
         """Allocate ``n`` blocks from the free queue's head, evicting their hashes.
 

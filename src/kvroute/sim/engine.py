@@ -52,6 +52,9 @@ class EngineRequest:
     start_s: float = -1.0  # first admission
     first_token_s: float = -1.0
     finish_s: float = -1.0
+    # ids of the prefix-cache hit at admission, as matched (``blocks`` starts with them):
+    # releasing converts only the blocks added since, not the whole history
+    prefix_ids: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def prefilling(self) -> bool:
@@ -89,7 +92,13 @@ class Engine:
         self.running: list[EngineRequest] = []
         self.share = 1.0  # set by the cluster when workers time-share a device
         self.now = 0.0  # set by the driver before each plan (stamps admissions)
-        self._has_prefill = False  # set by _schedule: did the step include prompt tokens
+        # set by _schedule for plan(): did the step include prompt tokens, the decoders'
+        # count and total context, the prefill chunks (q, c), fewest tokens a decoder has left
+        self._has_prefill = False
+        self._n_dec = 0
+        self._dec_ctx = 0
+        self._prefills: list[tuple[int, int]] = []
+        self._min_left = 0
         # counters, as vLLM's /metrics exposes them
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -127,26 +136,18 @@ class Engine:
 
     def plan(self) -> Plan | None:
         """Schedule the next step (and, on the fast path, the run of decode steps after it)."""
-        if self.idle:
+        if not self.waiting and not self.running:
             return None
         sched = self._schedule()
         if not sched:  # nothing fits (every block pinned by waiting admissions): should not happen
             raise RuntimeError(f"engine {self.name}: cannot schedule any request")
         if not self._has_prefill and not self._can_admit():
-            k = min(r.output_tokens - r.num_generated for r, _ in sched)
-            k = self._steps_with_blocks(sched, k)  # blocks are taken in commit, for steps run
-            n = len(sched)
-            ctx0 = sum(r.num_computed + 1 for r, _ in sched)
-            ends = self.model.decode_steps(n, ctx0, k, self.share)
+            # every scheduled request decodes: _schedule summed their contexts and
+            # found the fewest tokens any has left
+            k = self._steps_with_blocks(sched, self._min_left)  # blocks are taken in commit, for steps run
+            ends = self.model.decode_steps(len(sched), self._dec_ctx, k, self.share)
             return Plan(sched, ends, True)
-        n_dec, dec_ctx, prefills = 0, 0, []
-        for r, n in sched:
-            if r.num_computed < r.prompt_tokens:
-                prefills.append((n, r.num_computed))
-            else:
-                n_dec += 1
-                dec_ctx += r.num_computed + 1
-        t = self.model.step_time(n_dec, dec_ctx, prefills, self.share)
+        t = self.model.step_time(self._n_dec, self._dec_ctx, self._prefills, self.share)
         return Plan(sched, np.array([t]), False)
 
     def commit(self, plan: Plan, steps: int, start_s: float) -> tuple[list[EngineRequest], list[EngineRequest]]:
@@ -165,10 +166,11 @@ class Engine:
                 if c > len(r.blocks) * bs:  # step 1's block was taken by _schedule; plan() checked the rest fit
                     self._grow(r, c)
                 r.num_computed = c
-                r.num_generated += steps
+                g = r.num_generated + steps
+                r.num_generated = g
                 if c // bs > r.num_cached_blocks:
                     self._cache_blocks(r, bs)
-                if r.num_generated >= r.output_tokens:
+                if g >= r.output_tokens:
                     r.finish_s = end_s
                     done.append(r)
         else:
@@ -186,9 +188,11 @@ class Engine:
                 if r.num_generated >= r.output_tokens:
                     r.finish_s = end_s
                     done.append(r)
-        for r in done:
-            self.running.remove(r)
-            self._release(r)
+        if done:
+            running = self.running
+            for r in done:
+                running.remove(r)
+                self._release(r)
         return first, done
 
     # -- internals ----------------------------------------------------------
@@ -196,10 +200,25 @@ class Engine:
         return -(-tokens // self.block_size)
 
     def _cache_blocks(self, r: EngineRequest, bs: int) -> None:
-        full = min(r.num_computed // bs, len(r.hashes), len(r.blocks))
+        full = r.num_computed // bs
+        hashes, blocks = r.hashes, r.blocks
+        if full > len(hashes):
+            full = len(hashes)
+        if full > len(blocks):
+            full = len(blocks)
         a = r.num_cached_blocks
-        if full > a:
-            self.pool.cache_full_blocks(r.blocks[a:full], r.hashes[a:full])
+        if full == a + 1:  # a decode step filled one block: the common case, inlined
+            pool = self.pool
+            b, h = blocks[a], hashes[a]
+            if pool.block_hash[b] is None:
+                if h in pool.cached:
+                    pool.cache_full_block(b, h)
+                else:
+                    pool.block_hash[b] = h
+                    pool.cached[h] = b
+            r.num_cached_blocks = full
+        elif full > a:
+            self.pool.cache_full_blocks(blocks[a:full], hashes[a:full])
             r.num_cached_blocks = full
 
     def _grow(self, r: EngineRequest, tokens_after: int) -> bool:
@@ -215,12 +234,19 @@ class Engine:
 
     def _release(self, r: EngineRequest) -> None:
         """Free a request's blocks tail first, remembering its cached chain for the next turn."""
-        ids = np.array(r.blocks, dtype=np.int64)
+        blocks, pre = r.blocks, r.prefix_ids
+        if pre is None or not len(pre):
+            ids = np.array(blocks, dtype=np.int64)
+        elif len(blocks) == len(pre):
+            ids = pre
+        else:  # only the blocks added since admission are converted
+            ids = np.concatenate((pre, np.array(blocks[len(pre):], dtype=np.int64)))
         m = r.num_cached_blocks
         if m:
             self.pool.remember_chain(ids[:m], r.hashes[m - 1])
         self.pool.free_blocks(ids[::-1])
         r.blocks = []
+        r.prefix_ids = None
 
     def _preempt(self, victim: EngineRequest) -> None:
         self.running.remove(victim)
@@ -234,23 +260,26 @@ class Engine:
         self.waiting.appendleft(victim)
 
     def _schedule(self) -> list[tuple[EngineRequest, int]]:
+        """One step's batch; also gathers what :meth:`plan` prices it by (decoders,
+        their total context, prefill chunks, fewest tokens a decoder has left)."""
         budget = self.budget
         bs = self.block_size
         sched: list[tuple[EngineRequest, int]] = []
+        prefills: list[tuple[int, int]] = []
+        n_dec = dec_ctx = 0
+        min_left = 1 << 62
         preempted = False
-        has_prefill = False
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
             c = r.num_computed
             n = r.prompt_tokens - c
-            if n > 0:
-                if n > budget:
-                    n = budget
-                has_prefill = True
-            else:
+            decoding = n <= 0
+            if decoding:
                 n = 1
+            elif n > budget:
+                n = budget
             if c + n > len(r.blocks) * bs:  # needs a block: preempt from the tail until one is free
                 victim = None
                 while victim is not r and not self._grow(r, c + n):
@@ -260,24 +289,37 @@ class Engine:
                 if victim is r:
                     break
             sched.append((r, n))
+            if decoding:
+                n_dec += 1
+                dec_ctx += c + 1
+                left = r.output_tokens - r.num_generated
+                if left < min_left:
+                    min_left = left
+            else:
+                prefills.append((n, c))
             budget -= n
             i += 1
-        self._has_prefill = has_prefill
+        self._prefills = prefills
+        self._n_dec = n_dec
+        self._dec_ctx = dec_ctx
+        self._min_left = min_left
+        self._has_prefill = bool(prefills)
         if preempted:
             return sched
         pool = self.pool
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            r = self.waiting[0]
+        waiting = self.waiting
+        while waiting and budget > 0 and len(running) < self.max_seqs:
+            r = waiting[0]
             if r.num_computed == 0:
-                hashes = r.hashes[: (r.prompt_tokens - 1) // self.block_size]
+                hashes = r.hashes[: (r.prompt_tokens - 1) // bs]
                 hit_blocks = pool.match(hashes)
                 hit = len(hit_blocks)
-                hit_tokens = hit * self.block_size
+                hit_tokens = hit * bs
                 need = self._blocks_for(hit_tokens + min(r.prompt_tokens - hit_tokens, budget)) - hit
-                if need + pool.num_idle(hit_blocks) > pool.num_free_blocks:
+                if not pool.touch_if_room(hit_blocks, need):
                     break  # FCFS: later requests wait behind this one, as in vLLM
-                pool.touch_blocks(hit_blocks)
                 r.blocks = hit_blocks.tolist()
+                r.prefix_ids = hit_blocks
                 r.num_cached_blocks = hit
                 r.num_computed = hit_tokens
                 if r.cached_tokens < 0:
@@ -285,12 +327,14 @@ class Engine:
                     r.cached_tokens = r.num_computed
                     self.prefix_queries += r.prompt_tokens
                     self.prefix_hits += r.num_computed
-            n = min(r.prompt_tokens - r.num_computed, budget)
-            if not self._grow(r, r.num_computed + n):
+            c = r.num_computed
+            n = min(r.prompt_tokens - c, budget)
+            if not self._grow(r, c + n):
                 break
-            self.waiting.popleft()
-            self.running.append(r)
+            waiting.popleft()
+            running.append(r)
             sched.append((r, n))
+            prefills.append((n, c))
             self._has_prefill = True
             budget -= n
         return sched
