@@ -124,6 +124,32 @@ def merge(dirs: tuple[Path, ...], out: Path) -> None:
 
 
 @main.command()
+@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("measured", type=click.Path(exists=True, path_type=Path))
+@click.option("--hardware", required=True, help="Hardware profile the records were measured on; its family's coefficients are fitted.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="YAML file for the fitted coefficients (a hardware/coefficients.yaml entry); OUT.csv gets the errors.")
+@click.option("--fit", "fit", multiple=True, help="Coefficient to fit (repeatable; default: compute_efficiency, step_overhead_ms, api_overhead_ms).")
+@click.option("--max-evaluations", type=click.IntRange(min=4), default=200, show_default=True, help="Bound on simulations of the search.")
+def calibrate(experiment: Path, measured: Path, hardware: str, out: Path, fit: tuple[str, ...], max_evaluations: int) -> None:
+    """Fit HARDWARE's step-time coefficients to MEASURED records of EXPERIMENT (docs/costmodel.md)."""
+    from kvroute.calibrate import DEFAULT_FIT, calibrate as fit_coefficients, read_measured
+    from kvroute.records import write_atomic
+
+    try:
+        exp = load_experiment(experiment)
+        result = fit_coefficients(exp, read_measured(measured), hardware, tuple(fit) or DEFAULT_FIT, max_evaluations)
+    except (ExperimentError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    table = result.table()
+    write_atomic(out, lambda tmp: Path(tmp).write_text(result.coefficients_yaml()))
+    write_atomic(out.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))
+    click.echo(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    click.echo(result.coefficients_yaml().rstrip())
+    click.echo(f"wrote {out} and {out.with_suffix('.csv')}")
+
+
+@main.command()
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Folder for requests.parquet, summary.csv and predictions.csv.")
 def arithmetic(out: Path) -> None:
