@@ -51,6 +51,7 @@ def check_pool_invariants(pool: BlockPool) -> None:
     for b in range(n):  # what match() trusts when it reuses a remembered chain
         h = pool.block_hash[b]
         assert pool._dup[b] == (h is not None and pool.cached.get(h) != b), f"block {b}: stale duplicate flag"
+    assert pool._num_dup == int(pool._dup.sum()), "duplicate count out of step with the flags"
 
 
 # -- reference model ---------------------------------------------------------------

@@ -78,11 +78,14 @@ class StepTimeModel:
         fixed = self.step_overhead_s + self.per_seq_overhead_s * seqs
         return share * (fixed + max(mem, comp))
 
-    def decode_steps(self, n: int, ctx0: int, k: int, share: float = 1.0) -> np.ndarray:
+    def decode_steps(self, n: int, ctx0: int, k: int, share: float = 1.0) -> list[float]:
         """Cumulative end times of ``k`` pure-decode steps of ``n`` sequences.
 
         The context grows by ``n`` tokens a step; step ``i`` reads ``ctx0 + i * n``.
-        Vectorised so the simulator can advance many steps at once.
+        Closed form when one roofline term bounds every step (in plain floats for a
+        short run, where numpy's per-call cost would dominate; vectorised for a long
+        one, the same operations in the same order so the same bits), so the
+        simulator can advance many steps at once.
         """
         fixed = self.step_overhead_s + self.per_seq_overhead_s * n
         # both roofline terms are linear in the step index i: t_i = base + slope * i
@@ -94,19 +97,23 @@ class StepTimeModel:
         for t0, slope, o0, oslope in ((mem0, mem_slope, comp0, comp_slope), (comp0, comp_slope, mem0, mem_slope)):
             if t0 >= o0 and t0 + slope * last >= o0 + oslope * last:  # one term bounds every step
                 # share * ((fixed + t0) * i + slope * i * (i - 1) / 2) for steps done i = 1..k,
-                # in place and with the exact halving folded into slope: same bits, fewer passes
+                # with the exact halving folded into slope
+                half, per_step = 0.5 * slope, fixed + t0
+                if k <= 32:
+                    ends = [half * i * (i - 1.0) + per_step * i for i in map(float, range(1, k + 1))]
+                    return [e * share for e in ends] if share != 1.0 else ends
                 a = np.arange(k + 1, dtype=np.float64)
                 i = a[1:]
-                ends = (0.5 * slope) * i
-                ends *= a[:-1]
-                ends += (fixed + t0) * i
+                out = half * i
+                out *= a[:-1]
+                out += per_step * i
                 if share != 1.0:
-                    ends *= share
-                return ends
+                    out *= share
+                return out.tolist()
         ctx = ctx0 + n * np.arange(k, dtype=np.float64)
         mem = (self.weight_bytes + self.kv_bytes_per_token * ctx) / self.bw
         comp = (self.flops_per_token * n + self.attn_flops_per_pair * ctx) / self.peak
-        return np.cumsum(share * (fixed + np.maximum(mem, comp)))
+        return np.cumsum(share * (fixed + np.maximum(mem, comp))).tolist()
 
     def prefill_time(self, tokens: int, context: int = 0) -> float:
         """Estimated extra time to prefill ``tokens`` (compute-bound marginal cost).

@@ -65,7 +65,8 @@ class BlockPool:
         self._num_free = num_blocks
         self._epoch = np.zeros(num_blocks, dtype=np.int64)  # times each block was reallocated
         self._dup = np.zeros(num_blocks, dtype=bool)  # carries a hash that cached maps to another block
-        self._chains: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # last hash -> (ids, their epochs)
+        self._num_dup = 0  # blocks flagged in _dup (usually none: match skips the check)
+        self._chains: dict[int, tuple[np.ndarray, bytes]] = {}  # last hash -> (ids, their epochs' bytes)
         self._max_chains = max(64, num_blocks // 64)  # oldest forgotten first (a cache, exact either way)
 
     # -- queries -------------------------------------------------------------
@@ -114,7 +115,8 @@ class BlockPool:
             chain = self._chains.get(hashes[n - 1])
             if chain is not None:
                 ids, epochs = chain
-                if (self._epoch[ids] == epochs).all() and not self._dup[ids].any():
+                # bytes equality: one memcmp, cheaper than a ufunc and a reduction
+                if self._epoch[ids].tobytes() == epochs and not (self._num_dup and self._dup[ids].any()):
                     return ids
         return np.fromiter(map(self.cached.__getitem__, hashes[:n]), dtype=np.int64, count=n)
 
@@ -122,7 +124,7 @@ class BlockPool:
         """Note that ``blocks`` carry a hash chain ending in ``last_hash``, for :meth:`match`."""
         chains = self._chains
         chains.pop(last_hash, None)
-        chains[last_hash] = (blocks, self._epoch[blocks])
+        chains[last_hash] = (blocks, self._epoch[blocks].tobytes())
         if len(chains) > self._max_chains:
             del chains[next(iter(chains))]
 
@@ -250,11 +252,13 @@ class BlockPool:
             if others:
                 survivor = self.cached[h] = others.pop()
                 self._dup[survivor] = False
+                self._num_dup -= 1
             else:
                 del self.cached[h]
         elif others:
             others.remove(b)
             self._dup[b] = False
+            self._num_dup -= 1
         if others is not None and not others:
             del self._dups[h]
 
@@ -266,6 +270,7 @@ class BlockPool:
         if h in self.cached:
             self._dups.setdefault(h, []).append(block)
             self._dup[block] = True
+            self._num_dup += 1
         else:
             self.cached[h] = block
 
@@ -321,6 +326,7 @@ class BlockPool:
         self.cached.clear()
         self._dups.clear()
         self._dup[:] = False
+        self._num_dup = 0
         self._chains.clear()
         self.block_hash = [None] * self.num_blocks
         return True

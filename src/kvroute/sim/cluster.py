@@ -12,6 +12,7 @@ Only this module knows SimPy. Engines (``kvroute.sim.engine``) and policies
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -60,23 +61,24 @@ class WorkerDriver:
             eng.now = env.now
             plan = eng.plan()
             start = env.now
-            k = len(plan.ends)
+            ends = plan.ends
+            k = len(ends)
             if k == 1:  # new arrivals join at the next step boundary anyway
-                yield env.timeout(float(plan.ends[0]))
+                yield env.timeout(ends[0])
                 steps = 1
             else:
                 # one event, succeeded by the run's end or by a wake (an arrival or a
                 # co-located worker's load change), whichever comes first
                 ev = self._wake = env.event()
-                total = float(plan.ends[-1])
+                total = ends[-1]
                 env.timeout(total).callbacks.append(lambda _t, ev=ev: ev.triggered or ev.succeed())
                 yield ev
                 steps = k
                 if env.now < start + total:
                     # finish the step in progress, then re-plan with the newcomer
-                    done = int(np.searchsorted(plan.ends, env.now - start, side="right"))
+                    done = bisect_right(ends, env.now - start)
                     steps = min(done + 1, k)
-                    rest = start + float(plan.ends[steps - 1]) - env.now
+                    rest = start + ends[steps - 1] - env.now
                     if rest > 0:
                         yield env.timeout(rest)
             first, finished = eng.commit(plan, steps, start)

@@ -66,7 +66,7 @@ class Plan:
     """The next ``len(ends)`` steps: who computes how many tokens in each."""
 
     sched: list[tuple[EngineRequest, int]]  # tokens per request in the first step
-    ends: np.ndarray  # cumulative end time of each step, from the plan's start
+    ends: list[float]  # cumulative end time of each step, from the plan's start
     decode_only: bool  # steps after the first repeat the first with one token each
 
 
@@ -148,7 +148,7 @@ class Engine:
             ends = self.model.decode_steps(len(sched), self._dec_ctx, k, self.share)
             return Plan(sched, ends, True)
         t = self.model.step_time(self._n_dec, self._dec_ctx, self._prefills, self.share)
-        return Plan(sched, np.array([t]), False)
+        return Plan(sched, [t], False)
 
     def commit(self, plan: Plan, steps: int, start_s: float) -> tuple[list[EngineRequest], list[EngineRequest]]:
         """Apply the first ``steps`` steps of ``plan`` begun at ``start_s``.
@@ -156,7 +156,7 @@ class Engine:
         Returns (requests that produced their first token, requests that finished).
         """
         bs = self.block_size
-        run_s = float(plan.ends[steps - 1])
+        run_s = plan.ends[steps - 1]
         end_s = start_s + run_s
         self.busy_s += run_s
         first, done = [], []
