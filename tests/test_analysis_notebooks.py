@@ -200,6 +200,28 @@ def test_sticky_with_a_measurement(measured_results, tmp_path):
     assert "measured" in (tmp_path / "tables/sticky/measurement.tex").read_text()
 
 
+def test_note2_reports_a_calibration(sample_results, tmp_path):
+    """With results/calibration/note2-cpu/cpu.{yaml,csv} (as `kvroute calibrate` writes them;
+    test data here) note 2's numbers carry the fitted coefficients and the errors."""
+    results = tmp_path / "results"
+    shutil.copytree(sample_results, results)
+    cal = results / "calibration" / "note2-cpu"
+    cal.mkdir(parents=True)
+    (cal / "cpu.yaml").write_text(yaml.safe_dump({"cpu-provisional": {
+        "mem_efficiency": 0.5, "compute_efficiency": 0.37, "step_overhead_ms": 13.5, "per_seq_overhead_ms": 0.5,
+        "activation_reserve_gb": 0.0, "api_overhead_ms": 42.0, "api_jitter_ms": 5.0}}))
+    pd.DataFrame({"policy": ["kv_aware"] * 3, "statistic": ["ttft_first_ms", "ttft_later_ms", "tpot_ms"],
+                  "measured": [1.0] * 3, "before": [1.0] * 3, "after": [1.0] * 3,
+                  "error_before": [0.5, -0.3, 0.2], "error_after": [0.05, -0.02, 0.01]}).to_csv(cal / "cpu.csv", index=False)
+    _run("note2", results, tmp_path / "out")
+    nums = (tmp_path / "out" / "numbers/note2.tex").read_text()
+    assert r"\kvNoteTwoCpuCalibratedtrue" in nums
+    assert r"\newcommand{\kvNoteTwoCpuCalComputeEffFit}{\num{0.37}}" in nums
+    assert r"\newcommand{\kvNoteTwoCpuCalApiOverheadFit}{\qty{42.0}{\milli\second}}" in nums
+    assert r"\newcommand{\kvNoteTwoCpuCalErrBefore}{\qty{30}{\percent}}" in nums
+    assert r"\newcommand{\kvNoteTwoCpuCalErrAfter}{\qty{2}{\percent}}" in nums
+
+
 @pytest.mark.skipif(shutil.which("latexmk") is None, reason="latexmk is not installed: cannot compile a note")
 @pytest.mark.parametrize("note", ["tn4", "sticky"])
 def test_note_compiles(note, notebook_outputs, tmp_path):

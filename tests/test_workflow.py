@@ -191,11 +191,14 @@ def test_measure_rules_only_when_enabled(repo, capfd, tmp_path):
     assert "measure_gpu" not in text and "measure_cpu" not in text
     on = tmp_path / "measure.yaml"
     on.write_text(yaml.safe_dump({"measure": {"enabled": True, "runs": [
-        {"experiment": "note2-6turn", "hardware": "cpu", "rounds": 2},
+        {"experiment": "note2-6turn", "hardware": "cpu", "rounds": 2, "calibrate": True},
         {"experiment": "note2-a100", "hardware": "a100x1-2workers"},
     ]}}))
     counts, text = dry_run(repo, capfd, targets=("measure",), configfiles=[repo / "config/config.yaml", on], shell=True)
     assert counts["measure_cpu"] == 1 and counts["measure_gpu"] == 1
+    assert counts["calibrate"] == 1  # only the run that asks for it
+    cal_job = text.split("rule calibrate:", 1)[1].split("\n\n", 1)[0]
+    assert "results/calibration/note2-6turn/cpu.yaml" in cal_job and "--hardware cpu" in cal_job, cal_job
     gpu_job = text.split("rule measure_gpu:", 1)[1].split("\n\n", 1)[0]
     assert re.search(r"\bgpu=1\b", gpu_job), gpu_job
     assert "--rounds" not in gpu_job  # the experiment file's rounds

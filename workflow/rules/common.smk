@@ -196,6 +196,7 @@ LIVE_SOURCES = _sources(
     "src/kvroute/policies/*.py", "src/kvroute/workload/*.py", "src/kvroute/records.py",
     "src/kvroute/experiment.py",
 )
+CALIBRATE_SOURCES = SIM_SOURCES + _sources("src/kvroute/calibrate.py", "src/kvroute/experiment.py")
 MANIFEST_SOURCES = _sources("src/kvroute/pipeline.py")
 ANALYSIS_SOURCES = _sources("src/kvroute/analysis/*.py")  # what the notebooks import
 
@@ -302,6 +303,18 @@ def measure_result(exp, hardware):
     return [f"{base}/requests.parquet", f"{base}/summary.csv"]
 
 
+def get_calibration_runs():
+    """Measured (experiment, hardware) pairs whose run asks for `calibrate: true`."""
+    if not is_measure_enabled():
+        return []
+    return [(r["experiment"], r["hardware"]) for r in config["measure"]["runs"] if r.get("calibrate")]
+
+
+def calibration_result(exp, hardware):
+    base = f"{RESULTS}/calibration/{exp}/{hardware}"
+    return [f"{base}.yaml", f"{base}.csv"]
+
+
 def is_cpu_hardware(name):
     return _hardware(name, "measure.runs").engine.kind.endswith("cpu")
 
@@ -360,6 +373,7 @@ def get_analysis_inputs(notebook):
         "code": ANALYSIS_SOURCES,
         "sim": [f for name in a["sim"] for f in sim_result(name)],
         "measure": [f for exp, hw in get_measure_runs() if exp in a["measure"] for f in measure_result(exp, hw)],
+        "calibration": [f for exp, hw in get_calibration_runs() if exp in a["measure"] for f in calibration_result(exp, hw)],
         "extra": extra,
     }
 
@@ -430,7 +444,8 @@ def get_sim_targets():
 
 
 def get_measure_targets():
-    return [f for exp, hw in get_measure_runs() for f in measure_result(exp, hw)]
+    measured = [f for exp, hw in get_measure_runs() for f in measure_result(exp, hw)]
+    return measured + [f for exp, hw in get_calibration_runs() for f in calibration_result(exp, hw)]
 
 
 def get_figure_targets():

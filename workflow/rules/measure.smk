@@ -77,3 +77,29 @@ rule measure_cpu:
         "../../envs/engine-cpu.yaml"
     shell:
         "kvroute -v measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} {params.rounds} > {log:q} 2>&1"
+
+
+rule calibrate:
+    # `kvroute calibrate`: the hardware family's step-time coefficients fitted to a measured
+    # run (measure.runs[].calibrate), by replaying its workload through the simulator. It
+    # writes a coefficients.yaml entry and the errors before and after; hardware/ is never
+    # edited (adopting a fit is a reviewed change, docs/costmodel.md).
+    input:
+        experiment=get_measure_experiment,
+        hardware=get_measure_hardware_files,
+        measured="results/measure/{mexp}/{mhw}/requests.parquet",
+        sources=CALIBRATE_SOURCES,
+    output:
+        coefficients="results/calibration/{mexp}/{mhw}.yaml",
+        errors="results/calibration/{mexp}/{mhw}.csv",
+    resources:
+        mem_mb=2000,
+        runtime=30,
+    log:
+        "results/logs/calibrate/{mexp}/{mhw}.log",
+    benchmark:
+        "results/benchmarks/calibrate/{mexp}/{mhw}.tsv"
+    conda:
+        "../../envs/simulation.yaml"
+    shell:
+        "kvroute calibrate {input.experiment:q} {input.measured:q} --hardware {wildcards.mhw:q} --out {output.coefficients:q} > {log:q} 2>&1"
