@@ -237,6 +237,49 @@ def test_random_fast_path_interrupts_keep_block_accounting(sc, data):
     check_finished(eng, [r for _, r in arrivals], tr)
 
 
+class _FreshPassEngine(Engine):
+    """The engine without commit's carry-over: every step scans the running batch."""
+
+    def plan(self):
+        self._next = None
+        return super().plan()
+
+
+@FAST
+@given(scenarios(), st.data())
+def test_carried_decode_batch_equals_a_fresh_pass(sc, data):
+    """The batch commit hands to the next step (everyone decoding with room) gives the
+    same plans, bit for bit, as scanning the running requests afresh, through
+    arrivals, cut runs, finishes and preemptions."""
+    cfg, arrivals = sc
+
+    def record(eng, reqs, cuts):
+        plans = []
+        plan_of = eng.plan
+
+        def plan():
+            p = plan_of()
+            plans.append(([(r.rid, n) for r, n in p.sched], list(p.ends), p.decode_only))
+            return p
+
+        eng.plan = plan
+        tr = drive(eng, reqs, cut=cuts)
+        check_finished(eng, [r for _, r in reqs], tr)
+        return plans, [(r.first_token_s, r.finish_s, r.cached_tokens, r.preemptions) for _, r in reqs]
+
+    drawn: list[int] = []
+
+    def cut_and_remember(plan):
+        drawn.append(data.draw(st.integers(1, len(plan.ends)), label="steps"))
+        return drawn[-1]
+
+    copies = [(a, EngineRequest(r.rid, r.prompt_tokens, r.output_tokens, list(r.hashes))) for a, r in arrivals]
+    carried = record(engine(*cfg), arrivals, cut_and_remember)
+    replay = iter(drawn)
+    fresh = record(_FreshPassEngine("e", MODEL, cfg[1], cfg[0], cfg[2], cfg[3]), copies, lambda plan: next(replay))
+    assert carried == fresh
+
+
 @FAST
 @given(
     bs=st.sampled_from([4, 16]),

@@ -99,6 +99,9 @@ class Engine:
         self._dec_ctx = 0
         self._prefills: list[tuple[int, int]] = []
         self._min_left = 0
+        # set by commit: (the next step's decode batch, its context, fewest tokens left)
+        # when every running request decodes on with room for a token, else None
+        self._next: tuple[list[tuple[EngineRequest, int]], int, int] | None = None
         # counters, as vLLM's /metrics exposes them
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -160,8 +163,14 @@ class Engine:
         end_s = start_s + run_s
         self.busy_s += run_s
         first, done = [], []
+        sched = plan.sched
+        # what the next step's pass over the running batch would find, gathered here
+        # while every request is at hand: whether all keep decoding with room for one
+        # more token, their contexts and the fewest tokens any has left
+        whole = len(sched) == len(self.running)
+        ctx, min_left = 0, 1 << 62
         if plan.decode_only:
-            for r, _ in plan.sched:
+            for r, _ in sched:
                 c = r.num_computed + steps
                 if c > len(r.blocks) * bs:  # step 1's block was taken by _schedule; plan() checked the rest fit
                     self._grow(r, c)
@@ -170,11 +179,18 @@ class Engine:
                 r.num_generated = g
                 if c // bs > r.num_cached_blocks:
                     self._cache_blocks(r, bs)
-                if g >= r.output_tokens:
+                left = r.output_tokens - g
+                if left <= 0:
                     r.finish_s = end_s
                     done.append(r)
+                elif whole:
+                    ctx += c + 1
+                    if left < min_left:
+                        min_left = left
+                    if c >= len(r.blocks) * bs:
+                        whole = False
         else:
-            for r, n in plan.sched:
+            for r, n in sched:
                 c = r.num_computed + n
                 r.num_computed = c
                 if c - n >= r.prompt_tokens:
@@ -185,14 +201,24 @@ class Engine:
                     first.append(r)
                 if c // bs > r.num_cached_blocks:
                     self._cache_blocks(r, bs)
-                if r.num_generated >= r.output_tokens:
+                left = r.output_tokens - r.num_generated
+                if left <= 0:
                     r.finish_s = end_s
                     done.append(r)
+                elif whole:
+                    ctx += c + 1
+                    if left < min_left:
+                        min_left = left
+                    if c < r.prompt_tokens or c >= len(r.blocks) * bs:
+                        whole = False
         if done:
             running = self.running
             for r in done:
                 running.remove(r)
                 self._release(r)
+        if whole and (done or not plan.decode_only):  # a step of one token each, for those left
+            sched = [(r, 1) for r in self.running]
+        self._next = (sched, ctx, min_left) if whole else None
         return first, done
 
     # -- internals ----------------------------------------------------------
@@ -223,7 +249,7 @@ class Engine:
 
     def _grow(self, r: EngineRequest, tokens_after: int) -> bool:
         """Make sure ``r`` holds blocks for ``tokens_after`` tokens; False if none free."""
-        need = self._blocks_for(tokens_after) - len(r.blocks)
+        need = -(-tokens_after // self.block_size) - len(r.blocks)
         if need <= 0:
             return True
         new = self.pool.get_new_blocks(need)
@@ -271,6 +297,14 @@ class Engine:
         preempted = False
         running = self.running
         i = 0
+        nxt, self._next = self._next, None
+        if nxt is not None and len(nxt[0]) == len(running) <= budget:
+            # the last commit saw every running request decode on with room for a token
+            # (and nothing has changed the batch since): the pass below would find this
+            sched = list(nxt[0])
+            n_dec = i = len(sched)
+            dec_ctx, min_left = nxt[1], nxt[2]
+            budget -= n_dec
         while i < len(running) and budget > 0:
             r = running[i]
             c = r.num_computed
