@@ -301,8 +301,10 @@ class BlockPool:
         if self._len + idx.size > len(self._queue):
             self._rebuild()
         ref = self.ref
-        ref[idx] -= 1
-        zero = idx[ref[idx] == 0]
+        counts = ref[idx]
+        counts -= 1
+        ref[idx] = counts
+        zero = idx[counts == 0]
         if zero.size:
             p = self._len
             self._queue[p : p + zero.size] = zero

@@ -52,12 +52,13 @@ class WorkerDriver:
     def _run(self):
         env, eng = self.env, self.engine
         while True:
-            if eng.idle:
+            if not eng.running and not eng.waiting:  # idle
                 self._set_busy(False)
                 self._wake = env.event()
                 yield self._wake
                 continue
-            self._set_busy(True)
+            if not self.busy:
+                self._set_busy(True)
             eng.now = env.now
             plan = eng.plan()
             start = env.now
@@ -105,10 +106,8 @@ class SimView:
         self.exact = exact
         self.block_size = cluster.hw.engine.block_size
         self._index = cluster.worker_index
-
-    @property
-    def workers(self) -> Sequence[str]:
-        return self.c.workers
+        self.workers: Sequence[str] = cluster.workers  # fixed for the run
+        self._pools = {w: e.pool for w, e in zip(cluster.workers, cluster.engines)}
 
     def is_up(self, worker: str) -> bool:
         return True
@@ -130,7 +129,7 @@ class SimView:
     def matched_tokens(self, worker: str, request: RouteRequest) -> int:
         hashes = request.block_hashes
         if self.exact:
-            n = self.c.engines[self._index[worker]].pool.num_cached_blocks(hashes)
+            n = self._pools[worker].num_cached_blocks(hashes)
         else:
             n = self.c.index.match(worker, hashes, self.c.env.now)
         return n * self.block_size
