@@ -99,9 +99,9 @@ class Engine:
         self._dec_ctx = 0
         self._prefills: list[tuple[int, int]] = []
         self._min_left = 0
-        # set by commit: (the next step's decode batch, its context, fewest tokens left)
-        # when every running request decodes on with room for a token, else None
-        self._next: tuple[list[tuple[EngineRequest, int]], int, int] | None = None
+        # set by commit: (the next step's decode batch, its context, fewest tokens left,
+        # who needs a block for the next token) when every running request decodes on
+        self._next: tuple[list[tuple[EngineRequest, int]], int, int, list[EngineRequest]] | None = None
         # counters, as vLLM's /metrics exposes them
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -165,10 +165,11 @@ class Engine:
         first, done = [], []
         sched = plan.sched
         # what the next step's pass over the running batch would find, gathered here
-        # while every request is at hand: whether all keep decoding with room for one
-        # more token, their contexts and the fewest tokens any has left
+        # while every request is at hand: whether all keep decoding, their contexts,
+        # the fewest tokens any has left and who needs a new block for its next token
         whole = len(sched) == len(self.running)
         ctx, min_left = 0, 1 << 62
+        needers: list[EngineRequest] = []
         if plan.decode_only:
             for r, _ in sched:
                 c = r.num_computed + steps
@@ -188,7 +189,7 @@ class Engine:
                     if left < min_left:
                         min_left = left
                     if c >= len(r.blocks) * bs:
-                        whole = False
+                        needers.append(r)
         else:
             for r, n in sched:
                 c = r.num_computed + n
@@ -209,8 +210,10 @@ class Engine:
                     ctx += c + 1
                     if left < min_left:
                         min_left = left
-                    if c < r.prompt_tokens or c >= len(r.blocks) * bs:
+                    if c < r.prompt_tokens:
                         whole = False
+                    elif c >= len(r.blocks) * bs:
+                        needers.append(r)
         if done:
             running = self.running
             for r in done:
@@ -218,7 +221,7 @@ class Engine:
                 self._release(r)
         if whole and (done or not plan.decode_only):  # a step of one token each, for those left
             sched = [(r, 1) for r in self.running]
-        self._next = (sched, ctx, min_left) if whole else None
+        self._next = (sched, ctx, min_left, needers) if whole else None
         return first, done
 
     # -- internals ----------------------------------------------------------
@@ -298,9 +301,11 @@ class Engine:
         running = self.running
         i = 0
         nxt, self._next = self._next, None
-        if nxt is not None and len(nxt[0]) == len(running) <= budget:
-            # the last commit saw every running request decode on with room for a token
-            # (and nothing has changed the batch since): the pass below would find this
+        if nxt is not None and len(nxt[0]) == len(running) <= budget and all(self._grow(r, r.num_computed + 1) for r in nxt[3]):
+            # the last commit saw every running request decode on (and nothing has
+            # changed the batch since): once those at a block boundary got their block,
+            # in batch order as the pass below takes them, it would find this. If one
+            # cannot, the pass runs: it finds the others served and preempts as usual.
             sched = list(nxt[0])
             n_dec = i = len(sched)
             dec_ctx, min_left = nxt[1], nxt[2]
