@@ -20,7 +20,10 @@ Scheduling, as vLLM v1's scheduler does it (simplified to what moves latency):
 
 Fast path: while every running request is decoding and nothing can be admitted,
 batch composition only changes when a request finishes, so :meth:`plan` returns
-that whole run of steps at once (vectorised step times) instead of one per token.
+that whole run of steps at once (closed-form step times) instead of one per token.
+And while every running request decodes, :meth:`commit` hands the next step its
+batch (contexts, tokens left, who crossed into a new block), so planning does not
+walk the batch again: the per-step cost is one pass over the batch, in commit.
 """
 
 from __future__ import annotations
