@@ -13,6 +13,7 @@ import pytest
 from kvroute.hardware import load_hardware
 from kvroute.live.engines import (
     CPU_MAX_MODEL_LEN,
+    THREAD_VARIABLES,
     Engines,
     EngineError,
     WorkerSpec,
@@ -135,7 +136,8 @@ def test_vllm_cpu_plan_unsets_the_kv_space_override(tmp_path, monkeypatch):
     model.mkdir()
     (model / "config.json").write_text("{}")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
-    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # what Snakemake exports to an 8-thread job
+    for var in THREAD_VARIABLES:  # what Snakemake exports to an 8-thread job
+        monkeypatch.setenv(var, "8")
     specs = plan_workers(load_hardware("cpu"), run_dir=tmp_path, ports=[9001, 9002], model_dir=model, check=False)
     assert [s.kind for s in specs] == ["vllm-cpu", "vllm-cpu"]
     assert [s.port for s in specs] == [9001, 9002]
@@ -143,7 +145,8 @@ def test_vllm_cpu_plan_unsets_the_kv_space_override(tmp_path, monkeypatch):
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
     cores = [str(i % (os.cpu_count() or 1)) for i in range(2)]
     assert [s.environ()["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == cores
-    assert [s.environ()["OMP_NUM_THREADS"] for s in specs] == ["1", "1"]  # one thread on its core
+    for var in THREAD_VARIABLES:  # one thread on its one core, whatever the caller set
+        assert [s.environ()[var] for s in specs] == ["1", "1"], var
 
 
 def test_vllm_gpu_command_pins_devices_and_shares_memory(tmp_path):

