@@ -21,7 +21,7 @@ SNAKEMAKE_FLAGS ?= --show-failed-logs $(if $(CI),--quiet rules,)
 UV_VERSION := 0.13.8
 UV_VENV    := .venv-uv
 UV         := $(UV_VENV)/bin/uv
-UV_INSTALL := $(UV) pip install --quiet --python
+UV_INSTALL := $(UV) pip install --quiet --compile-bytecode --python
 
 $(UV):
 	@test -x $(UV_VENV)/bin/python || $(PYTHON) -m venv $(UV_VENV)
