@@ -26,24 +26,13 @@ from kvroute.live import text
 from kvroute.live.engines import running_engines, served_model_name
 from kvroute.live.metrics import parse_metrics
 
+import engine_env  # noqa: E402  (tests/engine_env.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _engine_python() -> str | None:
-    for cand in (os.environ.get("KVROUTE_ENGINE_PYTHON"), str(ROOT / ".venv-engine-cpu" / "bin" / "python")):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('vllm') and u.find_spec('transformers') else 3)"
-            if subprocess.run([cand, "-c", probe], check=False, capture_output=True, timeout=120).returncode == 0:
-                return cand
-    return None
-
-
-ENGINE_PY = _engine_python()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(ENGINE_PY is None, reason="no vLLM CPU engine environment: run `make engine-cpu` "
-                       "(builds .venv-engine-cpu) or set KVROUTE_ENGINE_PYTHON"),
-]
+ENGINE_PY = engine_env.ENGINE_PY
+pytestmark = engine_env.ENGINE_MARKS
 
 SYSTEM_WORDS = 1500
 REPLY_TOKENS = 16
