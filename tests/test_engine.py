@@ -22,6 +22,8 @@ from kvroute.kvcache.hashing import chain_hashes
 from kvroute.sim.engine import Engine, EngineRequest
 from kvroute.sim.stream import ConversationStream
 
+from eager_engine import Engine as EagerEngine
+from eager_engine import EngineRequest as EagerRequest
 from test_pool import check_pool_invariants
 
 MODEL = StepTimeModel.from_hardware(load_hardware("a6000x4"))
@@ -237,47 +239,77 @@ def test_random_fast_path_interrupts_keep_block_accounting(sc, data):
     check_finished(eng, [r for _, r in arrivals], tr)
 
 
-class _FreshPassEngine(Engine):
-    """The engine without commit's carry-over: every step scans the running batch."""
+def _eager_abort(eng: EagerEngine, r) -> bool:
+    """What the emulator did to abort a request before Engine.abort existed."""
+    if r in eng.waiting:
+        eng.waiting.remove(r)
+    elif r in eng.running:
+        eng.running.remove(r)
+        eng.pool.free_blocks(reversed(r.blocks))
+        r.blocks = []
+    else:
+        return False
+    return True
 
-    def plan(self):
-        self._next = None
-        return super().plan()
+
+def _state(eng, reqs) -> tuple:
+    """Everything a step could change, as comparable values."""
+    pool = eng.pool
+    per_request = [(r.rid, r.num_computed, r.num_generated, list(r.blocks), r.num_cached_blocks, r.cached_tokens,
+                    r.preemptions, r.start_s, r.first_token_s, r.finish_s) for r in reqs]
+    return (per_request, [r.rid for r in eng.running], [r.rid for r in eng.waiting], pool.ref.tolist(),
+            list(pool.block_hash), sorted(pool.cached.items()), pool.free, pool.num_evictions,
+            eng.prefix_queries, eng.prefix_hits, eng.num_preemptions, eng.busy_s, eng.pending_prefill_tokens(),
+            eng.queue_delay_s(7))
 
 
 @FAST
 @given(scenarios(), st.data())
-def test_carried_decode_batch_equals_a_fresh_pass(sc, data):
-    """The batch commit hands to the next step (everyone decoding with room) gives the
-    same plans, bit for bit, as scanning the running requests afresh, through
-    arrivals, cut runs, finishes and preemptions."""
+def test_lazy_engine_equals_the_eager_one(sc, data):
+    """The engine's lazy decode accounting against the eager engine it replaced
+    (tests/eager_engine.py), driven side by side through arrivals, runs cut at random
+    steps, finishes, preemptions and aborts: the same plans bit for bit, the same first
+    tokens and finishes, and after every commit the same request counts (materialised
+    from the step counter), block holdings, pool maps, free queue and counters."""
     cfg, arrivals = sc
-
-    def record(eng, reqs, cuts):
-        plans = []
-        plan_of = eng.plan
-
-        def plan():
-            p = plan_of()
-            plans.append(([(r.rid, n) for r, n in p.sched], list(p.ends), p.decode_only))
-            return p
-
-        eng.plan = plan
-        tr = drive(eng, reqs, cut=cuts)
-        check_finished(eng, [r for _, r in reqs], tr)
-        return plans, [(r.first_token_s, r.finish_s, r.cached_tokens, r.preemptions) for _, r in reqs]
-
-    drawn: list[int] = []
-
-    def cut_and_remember(plan):
-        drawn.append(data.draw(st.integers(1, len(plan.ends)), label="steps"))
-        return drawn[-1]
-
-    copies = [(a, EngineRequest(r.rid, r.prompt_tokens, r.output_tokens, list(r.hashes))) for a, r in arrivals]
-    carried = record(engine(*cfg), arrivals, cut_and_remember)
-    replay = iter(drawn)
-    fresh = record(_FreshPassEngine("e", MODEL, cfg[1], cfg[0], cfg[2], cfg[3]), copies, lambda plan: next(replay))
-    assert carried == fresh
+    bs, num_blocks, budget, max_seqs = cfg
+    if data.draw(st.booleans(), label="tight budget"):  # fewer tokens than sequences: the batch's tail waits
+        budget = data.draw(st.integers(1, 6), label="budget")
+        cfg = (bs, num_blocks, budget, max_seqs)
+    lazy, eager = engine(*cfg), EagerEngine("e", MODEL, num_blocks, bs, budget, max_seqs)
+    copies = {r.rid: EagerRequest(r.rid, r.prompt_tokens, r.output_tokens, list(r.hashes)) for _, r in arrivals}
+    pending = sorted(arrivals, key=lambda a: a[0])
+    t = 0.0
+    plans = 0
+    while pending or not lazy.idle:
+        while pending and pending[0][0] <= t:
+            a, r = pending.pop(0)
+            lazy.add(r)
+            eager.add(copies[r.rid])
+        if lazy.idle:
+            assert eager.idle
+            t = pending[0][0]
+            continue
+        if data.draw(st.integers(0, 9), label="abort?") == 0:
+            victim = data.draw(st.sampled_from([r for _, r in arrivals]), label="abort")
+            assert lazy.abort(victim) == _eager_abort(eager, copies[victim.rid])
+            assert _state(lazy, [r for _, r in arrivals]) == _state(eager, [copies[r.rid] for _, r in arrivals])
+            if lazy.idle:
+                continue
+        lazy.now = eager.now = t
+        p, q = lazy.plan(), eager.plan()
+        plans += 1
+        assert plans < 10_000
+        check_plan(lazy, p)
+        assert [(r.rid, n) for r, n in p.sched] == [(r.rid, n) for r, n in q.sched]
+        assert list(p.ends) == list(q.ends) and p.decode_only == q.decode_only
+        steps = data.draw(st.integers(1, len(p.ends)), label="steps")
+        f1, d1 = lazy.commit(p, steps, t)
+        f2, d2 = eager.commit(q, steps, t)
+        assert [r.rid for r in f1] == [r.rid for r in f2] and [r.rid for r in d1] == [r.rid for r in d2]
+        assert _state(lazy, [r for _, r in arrivals]) == _state(eager, [copies[r.rid] for _, r in arrivals])
+        check_blocks(lazy)
+        t += float(p.ends[steps - 1])
 
 
 @FAST

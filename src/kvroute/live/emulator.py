@@ -179,13 +179,7 @@ class EmulatedWorker:
         eng = self.engine
         for job in self._aborts:
             r = job.req
-            if r in eng.waiting:
-                eng.waiting.remove(r)
-            elif r in eng.running:
-                eng.running.remove(r)
-                eng.pool.free_blocks(reversed(r.blocks))
-                r.blocks = []
-            else:
+            if not eng.abort(r):
                 continue  # still in transit: _deliver drops it
             self.jobs.pop(r.rid, None)
         self._aborts.clear()

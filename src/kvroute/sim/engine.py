@@ -21,20 +21,37 @@ Scheduling, as vLLM v1's scheduler does it (simplified to what moves latency):
 Fast path: while every running request is decoding and nothing can be admitted,
 batch composition only changes when a request finishes, so :meth:`plan` returns
 that whole run of steps at once (closed-form step times) instead of one per token.
-And while every running request decodes, :meth:`commit` hands the next step its
-batch (contexts, tokens left, who crossed into a new block), so planning does not
-walk the batch again: the per-step cost is one pass over the batch, in commit.
+
+Lazy decode accounting: a decoding request's only events are its finish and the
+steps at which its context reaches a block boundary (the block just filled is
+registered in the prefix cache and the next token needs a new block). Between events
+all scheduled decoders advance in lockstep, one token a step, so the engine counts
+steps (``_tick``) and a decoder stores its counts as of the tick it joined
+(``num_computed``/``num_generated`` are properties that add the ticks since). The
+decoders' total context is a running sum, their next events and finish ticks sit in
+heaps, and those at a block boundary in a short list. :meth:`commit` thus touches only
+the requests with an event, and :meth:`_schedule` only the prefilling requests and
+those at a boundary, in batch order as vLLM's pass over the batch meets them: an
+arrival (an interrupted decode run, a prefill step, a finish: about three commits)
+costs O(events + log batch), not O(batch). Blocks are still taken, registered and
+freed at the same steps and in the same order as a step-by-step pass would (the
+eager engine in ``tests/eager_engine.py`` is the oracle), so eviction, and with it
+every record, is unchanged.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
+from operator import attrgetter
 
 import numpy as np
 
 from kvroute.costmodel import StepTimeModel
 from kvroute.kvcache.pool import BlockPool
+
+_by_seq = attrgetter("_seq")
 
 
 @dataclass(slots=True, eq=False)
@@ -46,8 +63,6 @@ class EngineRequest:
     output_tokens: int
     hashes: list[int]
     arrival_s: float = 0.0  # when the engine received it
-    num_computed: int = 0  # tokens whose KV is in the cache
-    num_generated: int = 0
     cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not yet admitted)
     blocks: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the pool's map
@@ -58,6 +73,28 @@ class EngineRequest:
     # ids of the prefix-cache hit at admission, as matched (``blocks`` starts with them):
     # releasing converts only the blocks added since, not the whole history
     prefix_ids: np.ndarray | None = field(default=None, repr=False)
+    # lazy accounting: tokens computed and generated as of tick _t0 of _eng (the engine
+    # whose lockstep decoders it is among; None while waiting, prefilling or done, when
+    # the counts are exact as stored)
+    _computed: int = field(default=0, repr=False)
+    _generated: int = field(default=0, repr=False)
+    _eng: Engine | None = field(default=None, repr=False)
+    _t0: int = field(default=0, repr=False)
+    _seq: int = field(default=-1, repr=False)  # admission stamp while running (batch order), else -1
+    _ev: int = field(default=-1, repr=False)  # tick of its next event (heap entries with another are stale)
+    _need: bool = field(default=False, repr=False)  # at a block boundary: needs a block for its next token
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV is in the cache."""
+        e = self._eng
+        return self._computed if e is None else self._computed + e._tick - self._t0
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far."""
+        e = self._eng
+        return self._generated if e is None else self._generated + e._tick - self._t0
 
     @property
     def prefilling(self) -> bool:
@@ -68,9 +105,16 @@ class EngineRequest:
 class Plan:
     """The next ``len(ends)`` steps: who computes how many tokens in each."""
 
-    sched: list[tuple[EngineRequest, int]]  # tokens per request in the first step
+    reqs: list[EngineRequest]  # the first step's requests, in batch order
     ends: list[float]  # cumulative end time of each step, from the plan's start
-    decode_only: bool  # steps after the first repeat the first with one token each
+    decode_only: bool  # every request decodes one token a step, in every step
+    chunks: list[tuple[EngineRequest, int]]  # the prefilling requests among reqs and their tokens
+
+    @property
+    def sched(self) -> list[tuple[EngineRequest, int]]:
+        """(request, tokens in the first step) in batch order; decoders take one."""
+        chunk = {r: n for r, n in self.chunks}
+        return [(r, chunk.get(r, 1)) for r in self.reqs]
 
 
 class Engine:
@@ -92,19 +136,28 @@ class Engine:
         self.budget = max_num_batched_tokens
         self.max_seqs = max_num_seqs
         self.waiting: deque[EngineRequest] = deque()
-        self.running: list[EngineRequest] = []
+        self.running: list[EngineRequest] = []  # in admission order (``_seq`` increasing)
         self.share = 1.0  # set by the cluster when workers time-share a device
         self.now = 0.0  # set by the driver before each plan (stamps admissions)
+        # lazy decode accounting (module docstring): lockstep steps so far, the running
+        # decoders' count and sum of (_computed - _t0) (their context is that plus
+        # count x tick), their next events and finish ticks as (tick, _seq, request)
+        # heaps, those at a block boundary, and the running prefilling requests
+        self._tick = 0
+        self._n_lock = 0
+        self._lock_sum = 0
+        self._events: list[tuple[int, int, EngineRequest]] = []
+        self._fins: list[tuple[int, int, EngineRequest]] = []
+        self._needers: list[EngineRequest] = []
+        self._prefilling: list[EngineRequest] = []
+        self._next_seq = 0
         # set by _schedule for plan(): did the step include prompt tokens, the decoders'
-        # count and total context, the prefill chunks (q, c), fewest tokens a decoder has left
+        # count and total context, the prefill chunks (q, c) and (request, q)
         self._has_prefill = False
         self._n_dec = 0
         self._dec_ctx = 0
         self._prefills: list[tuple[int, int]] = []
-        self._min_left = 0
-        # set by commit: (the next step's decode batch, its context, fewest tokens left,
-        # who needs a block for the next token) when every running request decodes on
-        self._next: tuple[list[tuple[EngineRequest, int]], int, int, list[EngineRequest]] | None = None
+        self._chunks: list[tuple[EngineRequest, int]] = []
         # counters, as vLLM's /metrics exposes them
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -119,10 +172,24 @@ class Engine:
     def add(self, req: EngineRequest) -> None:
         self.waiting.append(req)
 
+    def abort(self, req: EngineRequest) -> bool:
+        """Drop ``req`` (its client went away): out of the queue, or out of the batch with
+        its blocks freed tail first. False if the engine does not hold it."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return True
+        if req._seq < 0 or req not in self.running:
+            return False
+        self.running.remove(req)
+        self._leave(req)
+        self.pool.free_blocks(req.blocks[::-1])
+        req.blocks = []
+        return True
+
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed (waiting and running), a queue-delay proxy."""
-        n = sum(r.prompt_tokens - r.num_computed for r in self.waiting)
-        return n + sum(r.prompt_tokens - r.num_computed for r in self.running if r.prefilling)
+        n = sum(r.prompt_tokens - r._computed for r in self.waiting)
+        return n + sum(r.prompt_tokens - r._computed for r in self._prefilling)
 
     def queue_delay_s(self, extra_tokens: int = 0) -> float:
         """Estimated wait before a new request's prefill starts: the queued prefill
@@ -144,95 +211,149 @@ class Engine:
         """Schedule the next step (and, on the fast path, the run of decode steps after it)."""
         if not self.waiting and not self.running:
             return None
-        sched = self._schedule()
-        if not sched:  # nothing fits (every block pinned by waiting admissions): should not happen
+        n = self._schedule()
+        if not n:  # nothing fits (every block pinned by waiting admissions): should not happen
             raise RuntimeError(f"engine {self.name}: cannot schedule any request")
+        reqs = self.running[:n]
         if not self._has_prefill and not self._can_admit():
-            # every scheduled request decodes: _schedule summed their contexts and
-            # found the fewest tokens any has left
-            k = self._steps_with_blocks(sched, self._min_left)  # blocks are taken in commit, for steps run
-            ends = self.model.decode_steps(len(sched), self._dec_ctx, k, self.share)
-            return Plan(sched, ends, True)
+            # every scheduled request decodes: a run of steps until the first finishes
+            k = self._steps_with_blocks(reqs, self._min_left(n))  # blocks are taken in commit, for steps run
+            ends = self.model.decode_steps(n, self._dec_ctx, k, self.share)
+            return Plan(reqs, ends, True, [])
         t = self.model.step_time(self._n_dec, self._dec_ctx, self._prefills, self.share)
-        return Plan(sched, [t], False)
+        return Plan(reqs, [t], False, self._chunks)
 
     def commit(self, plan: Plan, steps: int, start_s: float) -> tuple[list[EngineRequest], list[EngineRequest]]:
         """Apply the first ``steps`` steps of ``plan`` begun at ``start_s``.
 
-        Returns (requests that produced their first token, requests that finished).
+        Returns (requests that produced their first token, requests that finished),
+        each in batch order.
         """
         bs = self.block_size
         run_s = plan.ends[steps - 1]
         end_s = start_s + run_s
         self.busy_s += run_s
+        t1 = self._tick + steps
+        self._tick = t1
+        running = self.running
+        if len(plan.reqs) < len(running):
+            # the budget ran out before the batch's tail, which did not move. FCFS admission
+            # never puts a request behind a prompt still being prefilled, so only a batch
+            # larger than the token budget gets here; kept so the accounting stays exact
+            for r in running[len(plan.reqs):]:
+                if r._eng is self:
+                    r._t0 += steps
+                    self._lock_sum -= steps
+                    self._push_events(r, r._computed + t1 - r._t0, t1)
+                    heappush(self._fins, (r._t0 + r.output_tokens - r._generated, r._seq, r))
+        # who has an event: decoders whose context reached a block boundary or that
+        # finish, and the prefilling requests of a mixed step; in batch order, as a
+        # pass over the batch would meet them
+        touched: list[EngineRequest] = []
+        events = self._events
+        while events and events[0][0] <= t1:
+            e, seq, r = heappop(events)
+            if r._eng is self and r._seq == seq and r._ev == e:
+                touched.append(r)
+        chunks = plan.chunks
+        if chunks:
+            touched.extend(r for r, _ in chunks)
+            chunk = {r: n for r, n in chunks}
+        if len(touched) > 1:
+            touched.sort(key=_by_seq)
         first, done = [], []
-        sched = plan.sched
-        # what the next step's pass over the running batch would find, gathered here
-        # while every request is at hand: whether all keep decoding, their contexts,
-        # the fewest tokens any has left and who needs a new block for its next token
-        whole = len(sched) == len(self.running)
-        ctx, min_left = 0, 1 << 62
-        needers: list[EngineRequest] = []
-        if plan.decode_only:
-            for r, _ in sched:
-                c = r.num_computed + steps
+        for r in touched:
+            if r._eng is self:  # a decoder: at a block boundary, or finishing
+                d = t1 - r._t0
+                c = r._computed + d
                 if c > len(r.blocks) * bs:  # step 1's block was taken by _schedule; plan() checked the rest fit
                     self._grow(r, c)
-                r.num_computed = c
-                g = r.num_generated + steps
-                r.num_generated = g
                 if c // bs > r.num_cached_blocks:
-                    self._cache_blocks(r, bs)
-                left = r.output_tokens - g
-                if left <= 0:
+                    self._cache_blocks(r, bs, c)
+                if r._generated + d >= r.output_tokens:
                     r.finish_s = end_s
                     done.append(r)
-                elif whole:
-                    ctx += c + 1
-                    if left < min_left:
-                        min_left = left
-                    if c >= len(r.blocks) * bs:
-                        needers.append(r)
-        else:
-            for r, n in sched:
-                c = r.num_computed + n
-                r.num_computed = c
-                if c - n >= r.prompt_tokens:
-                    r.num_generated += 1
-                elif c >= r.prompt_tokens:  # this step computed the last prompt token
-                    r.num_generated = 1
+                else:
+                    if c == len(r.blocks) * bs and not r._need:
+                        r._need = True
+                        self._needers.append(r)
+                    self._push_events(r, c, t1)
+            else:  # prefilling
+                c = r._computed + chunk[r]
+                r._computed = c
+                if c >= r.prompt_tokens:  # this step computed the last prompt token
+                    r._generated = 1
                     r.first_token_s = end_s
                     first.append(r)
+                    self._prefilling.remove(r)
                 if c // bs > r.num_cached_blocks:
-                    self._cache_blocks(r, bs)
-                left = r.output_tokens - r.num_generated
-                if left <= 0:
-                    r.finish_s = end_s
-                    done.append(r)
-                elif whole:
-                    ctx += c + 1
-                    if left < min_left:
-                        min_left = left
-                    if c < r.prompt_tokens:
-                        whole = False
-                    elif c >= len(r.blocks) * bs:
-                        needers.append(r)
-        if done:
-            running = self.running
-            for r in done:
-                running.remove(r)
-                self._release(r)
-        if whole and (done or not plan.decode_only):  # a step of one token each, for those left
-            sched = [(r, 1) for r in self.running]
-        self._next = (sched, ctx, min_left, needers) if whole else None
+                    self._cache_blocks(r, bs, c)
+                if c >= r.prompt_tokens:
+                    if r.output_tokens <= 1:
+                        r.finish_s = end_s
+                        done.append(r)
+                    else:
+                        self._join(r, c, 1)
+                        if c == len(r.blocks) * bs:
+                            r._need = True
+                            self._needers.append(r)
+        for r in done:
+            running.remove(r)
+            self._leave(r)
+            self._release(r)
         return first, done
+
+    # -- lazy accounting ------------------------------------------------------
+    def _join(self, r: EngineRequest, c: int, g: int) -> None:
+        """``r`` (running, with ``c`` computed and ``g`` generated) starts decoding in lockstep."""
+        t = self._tick
+        r._computed, r._generated, r._t0, r._eng = c, g, t, self
+        self._n_lock += 1
+        self._lock_sum += c - t
+        self._push_events(r, c, t)
+        heappush(self._fins, (t + r.output_tokens - g, r._seq, r))
+
+    def _push_events(self, r: EngineRequest, c: int, t: int) -> None:
+        """File ``r``'s next event, as of tick ``t`` with ``c`` computed: the tick its
+        context reaches the next multiple of block_size, or its finish if sooner."""
+        fin = r._t0 + r.output_tokens - r._generated
+        e = t + self.block_size - c % self.block_size
+        if fin < e:
+            e = fin
+        r._ev = e
+        heappush(self._events, (e, r._seq, r))
+
+    def _leave(self, r: EngineRequest) -> None:
+        """``r`` leaves the running batch: its counts become exact fields again."""
+        if r._eng is self:
+            d = self._tick - r._t0
+            self._n_lock -= 1
+            self._lock_sum -= r._computed - r._t0
+            r._computed += d
+            r._generated += d
+            r._eng = None
+            r._need = False  # _needers drops it lazily
+        elif r._computed < r.prompt_tokens:
+            self._prefilling.remove(r)
+        r._seq = -1
+
+    def _min_left(self, n: int) -> int:
+        """Fewest tokens any of the first ``n`` running requests (all decoding) has left."""
+        if n < len(self.running):  # a budget cut (more running than max_num_batched_tokens)
+            return min(r.output_tokens - r.num_generated for r in self.running[:n])
+        fins = self._fins
+        while True:  # drop entries of requests that left or were shifted
+            f, seq, r = fins[0]
+            if r._eng is self and r._seq == seq and f == r._t0 + r.output_tokens - r._generated:
+                return f - self._tick
+            heappop(fins)
 
     # -- internals ----------------------------------------------------------
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def _cache_blocks(self, r: EngineRequest, bs: int) -> None:
-        full = r.num_computed // bs
+    def _cache_blocks(self, r: EngineRequest, bs: int, computed: int) -> None:
+        full = computed // bs
         hashes, blocks = r.hashes, r.blocks
         if full > len(hashes):
             full = len(hashes)
@@ -282,77 +403,100 @@ class Engine:
 
     def _preempt(self, victim: EngineRequest) -> None:
         self.running.remove(victim)
+        self._leave(victim)
         self._release(victim)
         victim.num_cached_blocks = 0
-        victim.num_computed = 0
-        victim.num_generated = 0
+        victim._computed = 0
+        victim._generated = 0
         victim.first_token_s = -1.0
         victim.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
-    def _schedule(self) -> list[tuple[EngineRequest, int]]:
-        """One step's batch; also gathers what :meth:`plan` prices it by (decoders,
-        their total context, prefill chunks, fewest tokens a decoder has left)."""
+    def _schedule(self) -> int:
+        """Schedule one step: returns how many running requests (a prefix of ``running``,
+        admissions last) it takes; also gathers what :meth:`plan` prices it by.
+
+        Decoders off a block boundary take one token and need nothing, so the pass
+        visits only the prefilling requests and the decoders at a boundary, in batch
+        order, counting the plain decoders between them against the token budget.
+        """
         budget = self.budget
         bs = self.block_size
-        sched: list[tuple[EngineRequest, int]] = []
-        prefills: list[tuple[int, int]] = []
-        n_dec = dec_ctx = 0
-        min_left = 1 << 62
-        preempted = False
+        tick = self._tick
         running = self.running
-        i = 0
-        nxt, self._next = self._next, None
-        if nxt is not None and len(nxt[0]) == len(running) <= budget and all(self._grow(r, r.num_computed + 1) for r in nxt[3]):
-            # the last commit saw every running request decode on (and nothing has
-            # changed the batch since): once those at a block boundary got their block,
-            # in batch order as the pass below takes them, it would find this. If one
-            # cannot, the pass runs: it finds the others served and preempts as usual.
-            sched = list(nxt[0])
-            n_dec = i = len(sched)
-            dec_ctx, min_left = nxt[1], nxt[2]
-            budget -= n_dec
-        while i < len(running) and budget > 0:
-            r = running[i]
-            c = r.num_computed
-            n = r.prompt_tokens - c
-            decoding = n <= 0
-            if decoding:
-                n = 1
-            elif n > budget:
-                n = budget
+        specials = [r for r in self._needers if r._need]
+        self._needers = specials
+        if self._prefilling:
+            specials = specials + self._prefilling
+        if len(specials) > 1:
+            specials.sort(key=_by_seq)
+        prefills: list[tuple[int, int]] = []
+        chunks: list[tuple[EngineRequest, int]] = []
+        used = pos = 0  # tokens taken by running[:pos]
+        preempted = False
+        cut = -1
+        for r in specials:
+            if r._seq < 0:  # preempted earlier in this pass
+                continue
+            p = running.index(r)
+            if used + p - pos >= budget:  # the plain decoders before r use up the budget
+                cut = pos + budget - used
+                break
+            used += p - pos
+            lock = r._eng is self
+            if lock:
+                c, n = r._computed + tick - r._t0, 1
+            else:
+                c = r._computed
+                n = min(r.prompt_tokens - c, budget - used)
             if c + n > len(r.blocks) * bs:  # needs a block: preempt from the tail until one is free
                 victim = None
                 while victim is not r and not self._grow(r, c + n):
                     victim = running[-1]
                     self._preempt(victim)
                     preempted = True
-                if victim is r:
+                if victim is r:  # r was the tail: everything before it is scheduled
+                    cut = len(running)
                     break
-            sched.append((r, n))
-            if decoding:
-                n_dec += 1
-                dec_ctx += c + 1
-                left = r.output_tokens - r.num_generated
-                if left < min_left:
-                    min_left = left
+            if lock:
+                r._need = False
             else:
                 prefills.append((n, c))
-            budget -= n
-            i += 1
+                chunks.append((r, n))
+            used += n
+            pos = p + 1
+            if used >= budget:
+                cut = pos
+                break
+        if cut < 0:  # the plain decoders after the last special
+            if used + len(running) - pos <= budget:
+                used += len(running) - pos
+                cut = len(running)
+            else:
+                cut = pos + budget - used
+        self._needers = [r for r in self._needers if r._need]
+        # the scheduled decoders: every lockstep decoder but those past the cut
+        n_dec = self._n_lock
+        dec_ctx = self._lock_sum + n_dec * (tick + 1)
+        if cut < len(running):
+            for r in running[cut:]:
+                if r._eng is self:
+                    n_dec -= 1
+                    dec_ctx -= r._computed + tick - r._t0 + 1
         self._prefills = prefills
+        self._chunks = chunks
         self._n_dec = n_dec
         self._dec_ctx = dec_ctx
-        self._min_left = min_left
         self._has_prefill = bool(prefills)
-        if preempted:
-            return sched
+        if preempted or cut < len(running):
+            return cut
+        budget = self.budget - used  # every running request is scheduled
         pool = self.pool
         waiting = self.waiting
         while waiting and budget > 0 and len(running) < self.max_seqs:
             r = waiting[0]
-            if r.num_computed == 0:
+            if r._computed == 0:
                 hashes = r.hashes[: (r.prompt_tokens - 1) // bs]
                 hit_blocks = pool.match(hashes)
                 hit = len(hit_blocks)
@@ -363,41 +507,45 @@ class Engine:
                 r.blocks = hit_blocks.tolist()
                 r.prefix_ids = hit_blocks
                 r.num_cached_blocks = hit
-                r.num_computed = hit_tokens
+                r._computed = hit_tokens
                 if r.cached_tokens < 0:
                     r.start_s = self.now
-                    r.cached_tokens = r.num_computed
+                    r.cached_tokens = hit_tokens
                     self.prefix_queries += r.prompt_tokens
-                    self.prefix_hits += r.num_computed
-            c = r.num_computed
+                    self.prefix_hits += hit_tokens
+            c = r._computed
             n = min(r.prompt_tokens - c, budget)
             if not self._grow(r, c + n):
                 break
             waiting.popleft()
+            r._seq = self._next_seq
+            self._next_seq += 1
             running.append(r)
-            sched.append((r, n))
+            self._prefilling.append(r)
+            chunks.append((r, n))
             prefills.append((n, c))
             self._has_prefill = True
             budget -= n
-        return sched
+        return len(running)
 
     def _can_admit(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.max_seqs
 
-    def _steps_with_blocks(self, sched: list[tuple[EngineRequest, int]], k: int) -> int:
+    def _steps_with_blocks(self, reqs: list[EngineRequest], k: int) -> int:
         """Largest run of decode steps (<= k) whose new blocks the free queue can supply.
 
         Nothing is allocated here: :meth:`commit` takes the blocks for the steps that
         actually ran, so an interrupted run evicts exactly what single steps would.
         """
         bs = self.block_size
+        free = self.pool.num_free_blocks
+        if len(reqs) * (k // bs + 1) <= free:  # cheap bound: each request crosses at most this many
+            return k
+        held = [(r.num_computed, len(r.blocks)) for r in reqs]
 
         def need(steps: int) -> int:
-            return sum(max(0, -(-(r.num_computed + steps) // bs) - len(r.blocks)) for r, _ in sched)
+            return sum(max(0, -(-(c + steps) // bs) - b) for c, b in held)
 
-        free = self.pool.num_free_blocks
-        if len(sched) * (k // bs + 1) <= free:  # cheap bound: each request crosses at most this many
-            return k
         if need(k) > free:
             lo, hi = 1, k  # step 1 is already covered by _schedule
             while lo < hi:
