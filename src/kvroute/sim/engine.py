@@ -266,18 +266,26 @@ class Engine:
             if r._eng is self:  # a decoder: at a block boundary, or finishing
                 d = t1 - r._t0
                 c = r._computed + d
-                if c > len(r.blocks) * bs:  # step 1's block was taken by _schedule; plan() checked the rest fit
+                blocks = r.blocks
+                if c > len(blocks) * bs:  # step 1's block was taken by _schedule; plan() checked the rest fit
                     self._grow(r, c)
                 if c // bs > r.num_cached_blocks:
                     self._cache_blocks(r, bs, c)
                 if r._generated + d >= r.output_tokens:
                     r.finish_s = end_s
                     done.append(r)
-                else:
-                    if c == len(r.blocks) * bs and not r._need:
-                        r._need = True
-                        self._needers.append(r)
-                    self._push_events(r, c, t1)
+                    continue
+                rem = c % bs
+                if not rem and c == len(blocks) * bs and not r._need:
+                    r._need = True
+                    self._needers.append(r)
+                # _push_events, inlined (one call per block a decoder fills)
+                fin = r._t0 + r.output_tokens - r._generated
+                e = t1 + bs - rem
+                if fin < e:
+                    e = fin
+                r._ev = e
+                heappush(events, (e, r._seq, r))
             else:  # prefilling
                 c = r._computed + chunk[r]
                 r._computed = c

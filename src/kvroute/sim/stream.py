@@ -48,15 +48,19 @@ class ConversationStream:
         want = min(n_tokens, self.length) // bs
         hashes = self.hashes
         if len(hashes) < want:
-            segments, seed = self.segments, DEFAULT_SEED
+            segments, seed, append = self.segments, DEFAULT_SEED, hashes.append
             i, off, parent = self._seg_i, self._seg_off, self._parent
             while len(hashes) < want:
                 key, length = segments[i]
-                # the common case, blocks inside one segment; hash() is block_hash inlined
-                while off + bs <= length and len(hashes) < want:
-                    parent = hash((seed, parent, (*key, off, off + bs)))
-                    hashes.append(parent)
-                    off += bs
+                # the common case, blocks inside one segment (counted first, so the loop
+                # does no bookkeeping per block); hash() is block_hash inlined
+                n = min((length - off) // bs, want - len(hashes))
+                if n > 0:
+                    end = off + n * bs
+                    for o in range(off, end, bs):
+                        parent = hash((seed, parent, (*key, o, o + bs)))
+                        append(parent)
+                    off = end
                 if off == length:
                     i, off = i + 1, 0
                     continue
