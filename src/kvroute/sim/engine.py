@@ -64,15 +64,18 @@ class EngineRequest:
     hashes: list[int]
     arrival_s: float = 0.0  # when the engine received it
     cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not yet admitted)
-    blocks: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the pool's map
     preemptions: int = 0
     start_s: float = -1.0  # first admission
     first_token_s: float = -1.0
     finish_s: float = -1.0
-    # ids of the prefix-cache hit at admission, as matched (``blocks`` starts with them):
-    # releasing converts only the blocks added since, not the whole history
+    # the blocks it holds (see ``blocks``): the prefix-cache hit at admission as matched,
+    # an array kept as is (a multi-turn prompt's hit is most of its blocks, and admission
+    # and release would otherwise convert it to a list and back every turn), its length,
+    # and the blocks taken since
     prefix_ids: np.ndarray | None = field(default=None, repr=False)
+    _npre: int = field(default=0, repr=False)
+    _new: list[int] = field(default_factory=list, repr=False)
     # lazy accounting: tokens computed and generated as of tick _t0 of _eng (the engine
     # whose lockstep decoders it is among; None while waiting, prefilling or done, when
     # the counts are exact as stored)
@@ -83,6 +86,12 @@ class EngineRequest:
     _seq: int = field(default=-1, repr=False)  # admission stamp while running (batch order), else -1
     _ev: int = field(default=-1, repr=False)  # tick of its next event (heap entries with another are stale)
     _need: bool = field(default=False, repr=False)  # at a block boundary: needs a block for its next token
+
+    @property
+    def blocks(self) -> list[int]:
+        """Ids of the blocks it holds, in chain order (a new list)."""
+        pre = self.prefix_ids
+        return pre.tolist() + self._new if pre is not None else list(self._new)
 
     @property
     def num_computed(self) -> int:
@@ -182,8 +191,8 @@ class Engine:
             return False
         self.running.remove(req)
         self._leave(req)
-        self.pool.free_blocks(req.blocks[::-1])
-        req.blocks = []
+        self.pool.free_blocks(self._held_ids(req)[::-1])
+        req.prefix_ids, req._npre, req._new = None, 0, []
         return True
 
     def pending_prefill_tokens(self) -> int:
@@ -266,8 +275,7 @@ class Engine:
             if r._eng is self:  # a decoder: at a block boundary, or finishing
                 d = t1 - r._t0
                 c = r._computed + d
-                blocks = r.blocks
-                if c > len(blocks) * bs:  # step 1's block was taken by _schedule; plan() checked the rest fit
+                if c > (r._npre + len(r._new)) * bs:  # step 1's block was taken by _schedule; plan() checked the rest fit
                     self._grow(r, c)
                 if c // bs > r.num_cached_blocks:
                     self._cache_blocks(r, bs, c)
@@ -276,7 +284,7 @@ class Engine:
                     done.append(r)
                     continue
                 rem = c % bs
-                if not rem and c == len(blocks) * bs and not r._need:
+                if not rem and c == (r._npre + len(r._new)) * bs and not r._need:
                     r._need = True
                     self._needers.append(r)
                 # _push_events, inlined (one call per block a decoder fills)
@@ -302,7 +310,7 @@ class Engine:
                         done.append(r)
                     else:
                         self._join(r, c, 1)
-                        if c == len(r.blocks) * bs:
+                        if c == (r._npre + len(r._new)) * bs:
                             r._need = True
                             self._needers.append(r)
         for r in done:
@@ -362,15 +370,15 @@ class Engine:
 
     def _cache_blocks(self, r: EngineRequest, bs: int, computed: int) -> None:
         full = computed // bs
-        hashes, blocks = r.hashes, r.blocks
+        hashes, new, npre = r.hashes, r._new, r._npre
         if full > len(hashes):
             full = len(hashes)
-        if full > len(blocks):
-            full = len(blocks)
-        a = r.num_cached_blocks
+        if full > npre + len(new):
+            full = npre + len(new)
+        a = r.num_cached_blocks  # >= npre: the hit was cached when matched
         if full == a + 1:  # a decode step filled one block: the common case, inlined
             pool = self.pool
-            b, h = blocks[a], hashes[a]
+            b, h = new[a - npre], hashes[a]
             if pool.block_hash[b] is None:
                 if h in pool.cached:
                     pool.cache_full_block(b, h)
@@ -379,35 +387,41 @@ class Engine:
                     pool.cached[h] = b
             r.num_cached_blocks = full
         elif full > a:
-            self.pool.cache_full_blocks(blocks[a:full], hashes[a:full])
+            self.pool.cache_full_blocks(new[a - npre : full - npre], hashes[a:full])
             r.num_cached_blocks = full
 
     def _grow(self, r: EngineRequest, tokens_after: int) -> bool:
         """Make sure ``r`` holds blocks for ``tokens_after`` tokens; False if none free."""
-        need = -(-tokens_after // self.block_size) - len(r.blocks)
+        need = -(-tokens_after // self.block_size) - r._npre - len(r._new)
         if need <= 0:
             return True
         new = self.pool.get_new_blocks(need)
         if new is None:
             return False
-        r.blocks.extend(new)
+        r._new.extend(new)
         return True
+
+    @staticmethod
+    def _held_ids(r: EngineRequest) -> np.ndarray:
+        """``r.blocks`` as an array, converting only the blocks taken since admission."""
+        new, npre = r._new, r._npre
+        if not npre:
+            return np.array(new, dtype=np.int64)
+        if not new:
+            return r.prefix_ids
+        ids = np.empty(npre + len(new), dtype=np.int64)
+        ids[:npre] = r.prefix_ids
+        ids[npre:] = new
+        return ids
 
     def _release(self, r: EngineRequest) -> None:
         """Free a request's blocks tail first, remembering its cached chain for the next turn."""
-        blocks, pre = r.blocks, r.prefix_ids
-        if pre is None or not len(pre):
-            ids = np.array(blocks, dtype=np.int64)
-        elif len(blocks) == len(pre):
-            ids = pre
-        else:  # only the blocks added since admission are converted
-            ids = np.concatenate((pre, np.array(blocks[len(pre):], dtype=np.int64)))
+        ids = self._held_ids(r)
         m = r.num_cached_blocks
         if m:
             self.pool.remember_chain(ids[:m], r.hashes[m - 1])
         self.pool.free_blocks(ids[::-1])
-        r.blocks = []
-        r.prefix_ids = None
+        r.prefix_ids, r._npre, r._new = None, 0, []
 
     def _preempt(self, victim: EngineRequest) -> None:
         self.running.remove(victim)
@@ -458,7 +472,7 @@ class Engine:
             else:
                 c = r._computed
                 n = min(r.prompt_tokens - c, budget - used)
-            if c + n > len(r.blocks) * bs:  # needs a block: preempt from the tail until one is free
+            if c + n > (r._npre + len(r._new)) * bs:  # needs a block: preempt from the tail until one is free
                 victim = None
                 while victim is not r and not self._grow(r, c + n):
                     victim = running[-1]
@@ -512,8 +526,7 @@ class Engine:
                 need = self._blocks_for(hit_tokens + min(r.prompt_tokens - hit_tokens, budget)) - hit
                 if not pool.touch_if_room(hit_blocks, need):
                     break  # FCFS: later requests wait behind this one, as in vLLM
-                r.blocks = hit_blocks.tolist()
-                r.prefix_ids = hit_blocks
+                r.prefix_ids, r._npre, r._new = hit_blocks, hit, []
                 r.num_cached_blocks = hit
                 r._computed = hit_tokens
                 if r.cached_tokens < 0:
@@ -549,7 +562,7 @@ class Engine:
         free = self.pool.num_free_blocks
         if len(reqs) * (k // bs + 1) <= free:  # cheap bound: each request crosses at most this many
             return k
-        held = [(r.num_computed, len(r.blocks)) for r in reqs]
+        held = [(r.num_computed, r._npre + len(r._new)) for r in reqs]
 
         def need(steps: int) -> int:
             return sum(max(0, -(-(c + steps) // bs) - b) for c, b in held)
