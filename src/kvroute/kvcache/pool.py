@@ -92,13 +92,16 @@ class BlockPool:
         q = self._queue[lo:hi]
         return np.flatnonzero((self.ref[q] == 0) & (self._pos[q] == np.arange(self._base + lo, self._base + hi)))
 
-    def num_cached_blocks(self, hashes: Sequence[int]) -> int:
-        """Leading blocks of a hash chain present in the cache (no side effects).
+    def num_cached_blocks(self, hashes: Sequence[int], limit: int | None = None) -> int:
+        """Leading blocks of a hash chain (of its first ``limit``, if given) present in
+        the cache (no side effects).
 
         Binary search, valid by prefix closure (see the module docstring).
         """
         cached = self.cached
         lo, hi = 0, len(hashes)
+        if limit is not None and limit < hi:
+            hi = limit
         while lo < hi:
             mid = (lo + hi + 1) >> 1
             if hashes[mid - 1] in cached:
@@ -107,10 +110,11 @@ class BlockPool:
                 hi = mid - 1
         return lo
 
-    def match(self, hashes: Sequence[int]) -> np.ndarray:
-        """Block ids of the cached leading run of a hash chain (no side effects), as an
-        array: the caller counts, touches and keeps them, converting once. Read-only."""
-        n = self.num_cached_blocks(hashes)
+    def match(self, hashes: Sequence[int], limit: int | None = None) -> np.ndarray:
+        """Block ids of the cached leading run of a hash chain (of its first ``limit``
+        blocks, if given: no slice to copy), as an array: the caller counts, touches and
+        keeps them, converting once. Read-only."""
+        n = self.num_cached_blocks(hashes, limit)
         if n:
             chain = self._chains.get(hashes[n - 1])
             if chain is not None:
@@ -140,7 +144,7 @@ class BlockPool:
         """How many of ``blocks`` sit in the free queue (touching them uses free room)."""
         if not len(blocks):
             return 0
-        return int(np.count_nonzero(self.ref[np.asarray(blocks)] == 0))
+        return len(blocks) - int(np.count_nonzero(self.ref[np.asarray(blocks)]))
 
     # -- state changes -------------------------------------------------------
     def touch(self, hashes: Sequence[int]) -> list[int]:
@@ -155,7 +159,7 @@ class BlockPool:
             return
         idx = np.asarray(blocks)
         ref = self.ref
-        self._num_free -= int(np.count_nonzero(ref[idx] == 0))
+        self._num_free -= idx.size - int(np.count_nonzero(ref[idx]))
         ref[idx] += 1
 
     def touch_if_room(self, blocks: np.ndarray, extra: int) -> bool:
@@ -168,7 +172,7 @@ class BlockPool:
             return extra <= self._num_free
         ref = self.ref
         counts = ref[blocks]
-        idle = int(np.count_nonzero(counts == 0))
+        idle = counts.size - int(np.count_nonzero(counts))  # counting the zeros would first build a mask
         if extra + idle > self._num_free:
             return False
         counts += 1

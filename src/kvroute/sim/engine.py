@@ -519,8 +519,7 @@ class Engine:
         while waiting and budget > 0 and len(running) < self.max_seqs:
             r = waiting[0]
             if r._computed == 0:
-                hashes = r.hashes[: (r.prompt_tokens - 1) // bs]
-                hit_blocks = pool.match(hashes)
+                hit_blocks = pool.match(r.hashes, (r.prompt_tokens - 1) // bs)
                 hit = len(hit_blocks)
                 hit_tokens = hit * bs
                 need = self._blocks_for(hit_tokens + min(r.prompt_tokens - hit_tokens, budget)) - hit
