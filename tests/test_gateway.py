@@ -86,6 +86,7 @@ class Backend:
         self.seen.append((request.headers.get("X-Session-ID"), body))
         n = int(body.get("test_chunks", self.chunks))
         delay = float(body.get("test_delay_s", self.delay_s))
+        pad = "x" * int(body.get("test_pad", 0))  # bytes added to each event
         hdr = {"X-Backend": self.name}
         if not body.get("stream"):
             if delay:
@@ -100,7 +101,7 @@ class Backend:
         for i in range(n):
             if i and delay:
                 await asyncio.sleep(delay)
-            event = {"choices": [{"delta": {"content": f"t{i} "}}], "t": time.monotonic()}
+            event = {"choices": [{"delta": {"content": f"t{i} {pad}"}}], "t": time.monotonic()}
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -623,6 +624,51 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot():
                 assert counted == {'{status="client_disconnected",worker="b0"}': 1.0}
                 status, _, _ = await send(c, gw.url, chat_body([{"role": "user", "content": "y"}]))
                 assert status == 200
+        finally:
+            await gw.stop()
+            await b.stop()
+
+    run(body())
+
+
+def test_a_slow_client_pauses_the_worker_and_gets_every_byte():
+    """Relaying a long stream to a client that stops reading: the gateway stops reading
+    the worker (nothing piles up in its memory), then relays the rest, in order."""
+
+    async def body():
+        b = await Backend("b0").start()
+        gw = await started([b], "round_robin")
+        try:
+            port = int(gw.url.rsplit(":", 1)[1])
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            reader, writer = await asyncio.open_connection(sock=sock, limit=16384)  # reads stop at 32 KiB
+            payload = json.dumps(chat_body([{"role": "user", "content": "x"}], test_chunks=400, test_pad=8000)).encode()
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            await writer.drain()
+            paused = False
+            deadline = time.monotonic() + 5
+            while not paused and time.monotonic() < deadline:  # the client reads nothing meanwhile
+                await asyncio.sleep(0.05)
+                paused = any(c.upstream is not None and not c.upstream.transport.is_reading() for c in gw._conns)
+            assert paused, "the worker was never paused while the client did not read"
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert b"Transfer-Encoding: chunked" in head and b"X-Worker: b0" in head
+            data = b""
+            while True:  # de-chunk the reply
+                size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+                if size == 0:
+                    await reader.readuntil(b"\r\n")
+                    break
+                data += (await reader.readexactly(size + 2))[:-2]
+            events = [e for e in data.split(b"\n\n") if e]
+            assert len(events) == 401 and events[-1] == b"data: [DONE]"
+            assert [json.loads(e[6:])["choices"][0]["delta"]["content"].split()[0] for e in events[:-1]] == [
+                f"t{i}" for i in range(400)]
+            writer.close()
         finally:
             await gw.stop()
             await b.stop()

@@ -272,3 +272,161 @@ def test_large_bodies_pause_and_resume_the_worker_socket():
             await srv.stop()
 
     run(body())
+
+
+async def relayed(pool: UpstreamPool, srv: RawServer, first_read: bool = True) -> tuple[bytes, list[bool], object]:
+    """One request relayed: the body as the sink got it, the sink's ``end`` flags, the
+    response (released). ``first_read``: one read() first, as the gateway does."""
+    resp = await pool.request("127.0.0.1", srv.port, request())
+    parts, ends = [], []
+    if first_read:
+        parts.append(await resp.read())
+
+    def sink(data: bytes, end: bool) -> None:
+        assert not ends or not ends[-1], "the sink was called after the end"
+        parts.append(data)
+        ends.append(end)
+
+    await resp.relay(sink)
+    resp.release()
+    return b"".join(parts), ends, resp
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.booleans())
+def test_relay_hands_on_the_same_body_however_the_bytes_are_split(cuts, first_read):
+    """Relay mode gives the sink exactly what read() would give, ends once, keeps alive."""
+    raw = SSE_HEAD + chunked(*EVENTS)
+    pieces, pos = [], 0
+    for c in cuts:
+        if pos >= len(raw):
+            break
+        pieces.append(raw[pos : pos + c])
+        pos += c
+    if pos < len(raw):
+        pieces.append(raw[pos:])
+
+    async def body():
+        srv = await RawServer([pieces], pause_s=0.0005).start()
+        pool = UpstreamPool(read_timeout_s=5)
+        try:
+            for _ in range(2):
+                data, ends, _ = await relayed(pool, srv, first_read)
+                assert data == b"".join(EVENTS)
+                assert ends[-1] and ends.count(True) == 1
+            assert srv.connections == 1 and pool.idle("127.0.0.1", srv.port) == 1
+        finally:
+            pool.close()
+            await srv.stop()
+
+    run(body())
+
+
+def test_relay_sends_each_event_from_its_own_read_and_fails_like_read():
+    async def body():
+        pieces = [SSE_HEAD] + [chunked(e)[: -len(b"0\r\n\r\n")] for e in EVENTS] + [b"0\r\n\r\n"]
+        srv = await RawServer([pieces], pause_s=0.02).start()
+        pool = UpstreamPool()
+        try:
+            data, ends, _ = await relayed(pool, srv)
+            assert data == b"".join(EVENTS)
+            assert len(ends) >= len(EVENTS) - 1  # one sink call per event sent apart
+        finally:
+            pool.close()
+            await srv.stop()
+        # the worker dies halfway: the sink had what came, relay raises a read error
+        dying = await RawServer([[SSE_HEAD, chunked(EVENTS[0])[:-5], b"5\r\nab"]], close_after=1).start()
+        pool = UpstreamPool()
+        got = []
+        resp = await pool.request("127.0.0.1", dying.port, request())
+        with pytest.raises(UpstreamError) as err:
+            await resp.relay(lambda data, end: got.append((data, end)))
+        assert err.value.kind == "read"
+        assert b"".join(d for d, _ in got) in (EVENTS[0], EVENTS[0] + b"ab") and not any(e for _, e in got)
+        resp.close()
+        pool.close()
+        await dying.stop()
+
+    run(body())
+
+
+def test_relay_times_out_on_silence_not_on_a_long_steady_stream():
+    async def body():
+        # a stream of 0.3 s made of events 0.05 s apart, under a 0.2 s read timeout: no timeout
+        pieces = [SSE_HEAD] + [chunked(e)[: -len(b"0\r\n\r\n")] for e in EVENTS] + [b"0\r\n\r\n"]
+        steady = await RawServer([pieces], pause_s=0.05).start()
+        pool = UpstreamPool(read_timeout_s=0.2)
+        try:
+            data, ends, _ = await relayed(pool, steady)
+            assert data == b"".join(EVENTS) and ends[-1]
+        finally:
+            await steady.stop()
+        # a worker that stops after the first event: TimeoutError after about 0.2 s
+        stalled = await RawServer([[SSE_HEAD, chunked(EVENTS[0])[:-5]]], pause_s=0).start()
+        resp = await pool.request("127.0.0.1", stalled.port, request())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(asyncio.TimeoutError):
+            await resp.relay(lambda data, end: None)
+        assert 0.15 <= loop.time() - t0 < 2.0
+        resp.close()
+        pool.close()
+        await stalled.stop()
+
+    run(body())
+
+
+def test_a_paused_relay_stops_reading_the_worker_and_loses_nothing():
+    async def body():
+        big = bytes(range(256)) * 8192  # 2 MiB
+        srv = await RawServer([[SSE_HEAD, chunked(big[:1_000_000], big[1_000_000:])]]).start()
+        pool = UpstreamPool()
+        try:
+            resp = await pool.request("127.0.0.1", srv.port, request())
+            parts = []
+            resp.pause()  # as the gateway does while its client's socket is full
+            task = asyncio.ensure_future(resp.relay(lambda data, end: parts.append(data)))
+            await asyncio.sleep(0.2)
+            held = sum(map(len, parts))
+            assert held < len(big) and not resp.transport.is_reading()
+            resp.resume()
+            await task
+            assert b"".join(parts) == big
+            resp.release()
+            assert pool.idle("127.0.0.1", srv.port) == 1
+        finally:
+            pool.close()
+            await srv.stop()
+
+    run(body())
+
+
+def test_first_hands_over_the_first_bytes_then_relay_the_rest():
+    async def body():
+        pieces = [SSE_HEAD] + [chunked(e)[: -len(b"0\r\n\r\n")] for e in EVENTS] + [b"0\r\n\r\n"]
+        srv = await RawServer([pieces], pause_s=0.02).start()
+        pool = UpstreamPool()
+        try:
+            resp = await pool.request("127.0.0.1", srv.port, request())
+            got = []
+            await resp.first(lambda data, end: got.append((data, end)))
+            assert got == [(EVENTS[0], False)]
+            await resp.relay(lambda data, end: got.append((data, end)))
+            assert b"".join(d for d, _ in got) == b"".join(EVENTS) and got[-1][1]
+            resp.release()
+        finally:
+            pool.close()
+            await srv.stop()
+        # a worker that closes after the head: first() raises and never calls back
+        mute = await RawServer([[SSE_HEAD]], close_after=1).start()
+        pool = UpstreamPool()
+        resp = await pool.request("127.0.0.1", mute.port, request())
+        called = []
+        with pytest.raises(UpstreamError):
+            await resp.first(lambda data, end: called.append(data))
+        assert not called
+        resp.close()
+        pool.close()
+        await mute.stop()
+
+    run(body())

@@ -13,6 +13,9 @@ connection and parses the response in one small protocol object::
                                  ◄─ status line + headers parsed (1xx skipped)
     read() ─► body bytes as they arrive (Content-Length, chunked, or until close),
               chunked framing removed; b"" at the end
+    first(cb), relay(sink) ─► the same bytes handed on from the protocol's own
+              data_received: a streamed reply's events go out without a task switch,
+              future or timer per read (the gateway's streaming path)
     release() ─► back to the pool when the response ended cleanly and keeps alive
 
 Failures raise :class:`UpstreamError` (an ``OSError``) with ``kind`` ``connect``
@@ -55,7 +58,7 @@ class Upstream(asyncio.Protocol):
         "pool", "key", "transport", "state", "status", "headers", "content_type",
         "has_length", "_loop", "_head", "_remaining", "_chunked", "_cbuf", "_chunks",
         "_buffered", "_waiter", "_exc", "_keep_alive", "_closed", "_paused",
-        "_got_bytes", "_timeout", "_timer",
+        "_got_bytes", "_timeout", "_timer", "_sink", "_done", "_last", "_held", "_first",
     )
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, int, bool]) -> None:
@@ -70,10 +73,16 @@ class Upstream(asyncio.Protocol):
         self._waiter: asyncio.Future | None = None
         self._timer = None
         self._paused = False
+        self._sink = None  # relay mode (:meth:`relay`): body bytes go here as they arrive
+        self._done: asyncio.Future | None = None  # relay mode: resolved at the body's end
+        self._last = 0.0  # relay mode: loop time of the last bytes received
+        self._held = False  # paused by the caller (:meth:`pause`), not by the buffer mark
+        self._first = None  # :meth:`first`'s callback, until the first body bytes came
         self._reset()
 
     def _reset(self) -> None:
         self.status = 0
+        self._held = False
         self.headers: list[tuple[str, str]] = []
         self.content_type = ""
         self.has_length = False
@@ -114,6 +123,11 @@ class Upstream(asyncio.Protocol):
         self._got_bytes = True
         if self.state == _BODY:
             self._body(data)
+            if self._sink is not None:
+                self._last = self._loop.time()
+                self._to_sink()
+            elif self._first is not None:
+                self._hand_first()
         elif self.state == _HEAD:
             self._parse_head(data)
         else:  # bytes nobody asked for: the connection is out of step
@@ -275,7 +289,8 @@ class Upstream(asyncio.Protocol):
             return
         self._chunks.append(data)
         self._buffered += len(data)
-        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+        if (self._buffered > _HIGH_WATER and not self._paused and self._sink is None
+                and self.transport is not None):  # (a relay hands each read on at once)
             self._paused = True
             self.transport.pause_reading()
 
@@ -295,6 +310,48 @@ class Upstream(asyncio.Protocol):
             self._waiter = None
             if not w.done():
                 w.set_result(None)
+        d = self._done
+        if d is not None and (self._exc is not None or self._closed) and not d.done():
+            self._to_sink()  # what arrived before the end or the failure (settles d at the end)
+            if d.done():
+                pass
+            elif self._exc is not None:
+                d.set_exception(self._exc)
+            elif self.state == _DONE:
+                d.set_result(None)
+            else:
+                d.set_exception(UpstreamError("read", "worker closed the connection"))
+
+    def _to_sink(self) -> None:
+        """Relay mode: hand the body bytes parsed so far to the sink, with the end if it came."""
+        chunks = self._chunks
+        end = self.state == _DONE
+        if chunks:
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            self._chunks = []
+            self._buffered = 0
+            self._sink(data, end)
+        elif end:
+            self._sink(b"", True)
+        else:
+            return
+        if end:
+            d = self._done
+            self._sink = None
+            if d is not None and not d.done():
+                d.set_result(None)
+
+    def _idle_check(self) -> None:
+        """Relay mode's read timeout: one timer per response, not one per read."""
+        d = self._done
+        if d is None or d.done():
+            return
+        idle = self._loop.time() - self._last
+        if idle >= self._timeout:
+            self._sink = None
+            d.set_exception(asyncio.TimeoutError())
+        else:
+            self._timer = self._loop.call_later(self._timeout - idle, self._idle_check)
 
     def _on_timeout(self) -> None:
         w = self._waiter
@@ -335,6 +392,89 @@ class Upstream(asyncio.Protocol):
             if self._closed:
                 raise UpstreamError("read", "worker closed the connection")
             await self._wait()
+
+    def _hand_first(self) -> None:
+        """Give :meth:`first`'s callback the body bytes parsed so far (if any, or the end)."""
+        chunks = self._chunks
+        end = self.state == _DONE
+        if not chunks and not end:
+            return
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks) if chunks else b""
+        self._chunks = []
+        self._buffered = 0
+        if self._paused and not self._held and not self._closed:
+            self._paused = False
+            self.transport.resume_reading()
+        f, self._first = self._first, None
+        f(data, end)
+
+    async def first(self, on_first) -> None:
+        """Wait for the body's first bytes and call ``on_first(data, end)`` with them from
+        :meth:`data_received` itself, so they can go on before this coroutine runs again
+        (when many responses' bytes arrive at once, a woken task runs only after all of
+        their callbacks). ``end``: the body ended with them. Raises like :meth:`read`,
+        without having called ``on_first``."""
+        self._first = on_first
+        try:
+            while self._first is not None:
+                if self._chunks or self.state == _DONE:
+                    self._hand_first()
+                    break
+                if self._exc is not None:
+                    raise self._exc
+                if self._closed:
+                    raise UpstreamError("read", "worker closed the connection")
+                await self._wait()
+        finally:
+            self._first = None
+
+    async def relay(self, sink) -> None:
+        """Hand the rest of the body to ``sink(data, end)`` as it arrives; return at its end.
+
+        The bytes go to the sink from :meth:`data_received` itself: no task switch, future
+        or timer per read, which is what a streamed reply's many small events cost through
+        :meth:`read`. ``end`` is True on the call that carries the body's last bytes (or
+        none). Raises like :meth:`read` (``UpstreamError``, ``asyncio.TimeoutError`` after
+        ``read_timeout_s`` without a byte); the sink has then had what arrived before.
+        Flow control is the caller's: :meth:`pause` and :meth:`resume` while its own
+        writes are paused.
+        """
+        loop = self._loop
+        done = self._done = loop.create_future()
+        self._sink = sink
+        self._last = loop.time()
+        try:
+            if self.state == _DONE:
+                self._to_sink()  # the whole body is already here: hand it on, settle
+            elif self._exc is not None or self._closed:
+                self._wake()  # already failed: settle now
+            else:
+                self._to_sink()  # what was buffered before relaying began
+                if self._paused and not self._held:  # paused at the buffer mark: nothing buffered now
+                    self._paused = False
+                    self.transport.resume_reading()
+                if self._timeout and not done.done():
+                    self._timer = loop.call_later(self._timeout, self._idle_check)
+            await done
+        finally:
+            self._sink = None
+            self._done = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def pause(self) -> None:
+        """Stop reading from the worker (the relay's client is not keeping up)."""
+        self._held = True
+        if not self._paused and not self._closed and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        self._held = False
+        if self._paused and not self._closed:
+            self._paused = False
+            self.transport.resume_reading()
 
     async def read_all(self) -> bytes:
         """The rest of the body."""
