@@ -8,7 +8,10 @@ ratios are measured side by side):
 2. the same workload with ten times the conversations (640 chats), once on the
    same four workers (each engine's batch grows tenfold too) and once on forty
    workers (load per worker unchanged): the wall-time ratio against (1), next to
-   the request-count ratio (10x). Close to 10 means linear growth.
+   the request-count ratio (10x) and the ratio of tokens the engines prefilled (the
+   simulated work: tenfold chats on four workers overflow the KV cache, and
+   round-robin on forty workers rarely finds a chat's history, so both prefill far
+   more per request). Wall time growing like requests times prefill is linear growth.
 
 Usage: python benchmarks/sim_speed.py [--repeat N]   (make bench)
 """
@@ -32,22 +35,29 @@ from kvroute.sim.cluster import SimCluster  # noqa: E402
 from kvroute.sim.run import load_trace, simulate_run  # noqa: E402
 
 
-def timed(exp, trace, runs) -> tuple[float, float, int]:
+def prefilled(rows) -> int:
+    """Prompt tokens the engines computed (not served from their caches)."""
+    return sum(r["prompt_tokens"] - r["cached_tokens"] for r in rows)
+
+
+def timed(exp, trace, runs) -> tuple[float, float, int, int]:
+    """Simulated seconds, wall seconds, requests and prefilled tokens of ``runs``."""
     wall = sim = 0.0
-    n = 0
+    n = work = 0
     for run in runs:
         t0 = time.perf_counter()
         rows, meta = simulate_run(exp, run, trace)
         wall += time.perf_counter() - t0
         sim += meta["sim_s"]
         n += len(rows)
-    return sim, wall, n
+        work += prefilled(rows)
+    return sim, wall, n, work
 
 
-def timed_cluster(trace, hw, runs) -> tuple[float, float, int]:
+def timed_cluster(trace, hw, runs) -> tuple[float, float, int, int]:
     """Like :func:`timed` on a hardware variant that has no profile file (more workers)."""
     wall = sim = 0.0
-    n = 0
+    n = work = 0
     for run in runs:
         cluster = SimCluster(trace, hw, make_policy(run.policy, np.random.default_rng(1)), np.random.default_rng(2), True)
         t0 = time.perf_counter()
@@ -55,7 +65,8 @@ def timed_cluster(trace, hw, runs) -> tuple[float, float, int]:
         wall += time.perf_counter() - t0
         sim += max(r["finish_s"] for r in rows)
         n += len(rows)
-    return sim, wall, n
+        work += prefilled(rows)
+    return sim, wall, n, work
 
 
 def main() -> int:
@@ -74,21 +85,30 @@ def main() -> int:
     for run in runs:
         best = min((timed(exp, trace, [run]) for _ in range(args.repeat)), key=lambda t: t[1])
         per_policy[run.policy] = best
-        sim, wall, _ = best
+        sim, wall = best[:2]
         print(f"  {run.policy:14s} {sim:7.1f} sim s in {wall:6.3f} wall s = {sim / wall:6.0f} sim s per wall s")
     sim = sum(v[0] for v in per_policy.values())
     wall = sum(v[1] for v in per_policy.values())
     print(f"  all three      {sim:7.1f} sim s in {wall:6.3f} wall s = {sim / wall:6.0f} sim s per wall s")
 
-    small = min((timed(exp, trace, runs) for _ in range(args.repeat)), key=lambda t: t[1])
-    large = min((timed(big, big_trace, runs) for _ in range(max(1, args.repeat // 2))), key=lambda t: t[1])
     hw = load_hardware(runs[0].hardware)
     wide_hw = dataclasses.replace(hw, workers=10 * hw.workers)
-    wide = min((timed_cluster(big_trace, wide_hw, runs) for _ in range(max(1, args.repeat // 2))), key=lambda t: t[1])
-    print(f"tenfold conversations ({big_trace.num_requests} requests):")
-    for label, res in ((f"same {hw.workers} workers", large), (f"{wide_hw.workers} workers", wide)):
-        print(f"  {label:15s} wall {small[1]:.3f} s -> {res[1]:.3f} s: x{res[1] / small[1]:.1f} for"
-              f" x{res[2] / small[2]:.0f} requests (wall per request x{(res[1] / res[2]) / (small[1] / small[2]):.2f})")
+    reps = max(1, args.repeat // 2)
+    cases = {
+        f"same {hw.workers} workers": {r.policy: min((timed(big, big_trace, [r]) for _ in range(reps)), key=lambda t: t[1]) for r in runs},
+        f"{wide_hw.workers} workers": {r.policy: min((timed_cluster(big_trace, wide_hw, [r]) for _ in range(reps)), key=lambda t: t[1]) for r in runs},
+    }
+    print(f"tenfold conversations ({big_trace.num_requests} requests, x{big_trace.num_requests / trace.num_requests:.0f}):"
+          " wall time x (prefilled tokens x)")
+    print(f"  {'':16s}" + "".join(f"{r.policy:>22s}" for r in runs) + f"{'all three':>22s}")
+    for label, res in cases.items():
+        cells = []
+        for key in [r.policy for r in runs] + [None]:
+            a = per_policy[key] if key else tuple(map(sum, zip(*per_policy.values())))
+            b = res[key] if key else tuple(map(sum, zip(*res.values())))
+            w, p = b[1] / a[1], b[3] / a[3]
+            cells.append(f"x{w:.1f} (x{p:.1f})".rjust(22))
+        print(f"  {label:16s}" + "".join(cells))
     return 0
 
 
