@@ -103,6 +103,7 @@ def serve_backend(port: int, chunks: int, ttft_s: float = 0.0, itl_s: float = 0.
         for i in range(chunks)
     ]
     done = b"data: [DONE]\n\n"
+    served = [0]  # completions answered, for the balance column (GET /bench/served)
 
     def first_event(t_recv: float, t_sent: float) -> bytes:
         ev = {"choices": [{"index": 0, "delta": {"content": "t0 "}}], STAMP: [t_recv, t_sent]}
@@ -110,6 +111,7 @@ def serve_backend(port: int, chunks: int, ttft_s: float = 0.0, itl_s: float = 0.
 
     async def complete(request: web.Request) -> web.StreamResponse:
         t_recv = time.monotonic()
+        served[0] += 1
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -128,6 +130,9 @@ def serve_backend(port: int, chunks: int, ttft_s: float = 0.0, itl_s: float = 0.
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def count(request: web.Request) -> web.Response:
+        return web.Response(text=str(served[0]))
+
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "bench", "object": "model"}]})
 
@@ -135,6 +140,7 @@ def serve_backend(port: int, chunks: int, ttft_s: float = 0.0, itl_s: float = 0.
     app.router.add_post("/v1/chat/completions", complete)
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/health", health)
+    app.router.add_get("/bench/served", count)
     app.router.add_get("/v1/models", models)
     try:
         import uvloop
@@ -228,7 +234,11 @@ def default_targets() -> list[str]:
 
 
 def chat_turns(chat: int, turns: int) -> list[list[dict]]:
-    msgs = [{"role": "system", "content": "You are a benchmark. " * 20}]
+    """A chat's message lists, turn by turn. Its system prompt starts with the chat's own
+    id, so no two chats share a prefix: a cache-aware router then spreads them over the
+    backends as the direct client does (with one shared prompt kv_aware and the Rust
+    routers' cache_aware put every chat on one backend, and the paced bursts double)."""
+    msgs = [{"role": "system", "content": f"Chat {chat}. " + "You are a benchmark. " * 20}]
     out = []
     for t in range(turns):
         msgs = msgs + [{"role": "user", "content": f"chat {chat} turn {t}: " + "words " * 30}]
@@ -286,6 +296,17 @@ async def measure(url_of_chat: Callable[[int], str], chats: int, turns: int, con
         else:
             for c in ids:
                 await one_chat(s, url_of_chat(c), c, turns, out)
+    return out
+
+
+def served(backends: list[str]) -> list[int]:
+    """Completions each backend has answered so far."""
+    import urllib.request
+
+    out = []
+    for b in backends:
+        with urllib.request.urlopen(b + "/bench/served", timeout=10) as r:
+            out.append(int(r.read()))
     return out
 
 
@@ -423,6 +444,7 @@ def main() -> None:
         client_cpu = dict.fromkeys(cpu, 0.0)
         waited = dict.fromkeys(cpu, 0.0)
         results: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in cpu}
+        spread_of = {k: [0, 0] for k in cpu}  # requests per backend (balance)
         backend_cpu0 = sum(cpu_s(b) for b in backend_procs)
         chat = 0
         t_start = time.monotonic()
@@ -433,8 +455,11 @@ def main() -> None:
                 for t in order:
                     proc = router_proc[(t, kind)]
                     c0, k0, w0 = cpu_s(proc), time.process_time(), wait_s(proc)
+                    s0 = served(backend_sets[kind])
                     results[(t, mode)] += asyncio.run(
                         measure(urls[(t, kind)], n, args.turns, concurrent, chat, spread[kind]))
+                    for i, (a, b) in enumerate(zip(s0, served(backend_sets[kind]))):
+                        spread_of[(t, mode)][i] += b - a
                     cpu[(t, mode)] += cpu_s(proc) - c0
                     waited[(t, mode)] += wait_s(proc) - w0
                     client_cpu[(t, mode)] += time.process_time() - k0
@@ -444,10 +469,10 @@ def main() -> None:
     finally:
         for proc in procs:
             stop_process(proc)
-    report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wall)
+    report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wall, spread_of)
 
 
-def report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wall) -> None:
+def report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wall, spread_of) -> None:
     """Print the tables, ratios and goals (see the module docstring)."""
     print(f"gateway latency benchmark: {args.rounds} rounds, {args.turns} turns per chat, "
           f"{args.chunks} SSE events per reply (paced: {args.pace_chunks}, EMULATED engine pace: first on the "
@@ -457,9 +482,10 @@ def report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wa
           f"{f', Rust routers {args.peer_policy}' if any(t in RUST_ROUTERS for t in names) else ''}, {wall:.1f} s, "
           f"{os.cpu_count()} CPUs")
     print("transit: TTFT less the backend's own time from taking the request to sending the first event; "
-          "added: the transit percentile less direct's")
+          "added: the transit percentile less direct's; busier: the share of requests (warm-up included) "
+          "on the busier of the two backends")
     print(f"{'load':<11} {'target':<13} {'n':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E p50':>8} {'E2E p99':>8} "
-          f"{'transit p50':>11} {'transit p99':>11} {'added p50':>10} {'added p99':>10}   (ms)")
+          f"{'transit p50':>11} {'transit p99':>11} {'added p50':>10} {'added p99':>10} {'busier':>7}   (ms)")
     added: dict[tuple[str, str], tuple[float, float]] = {}
     for mode in modes:
         d = [x[2] for x in results[("direct", mode)]]
@@ -472,7 +498,8 @@ def report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wa
                 added[(t, mode)] = (a50, a99)
             print(f"{mode:<11} {t:<13} {len(r):>6} {pct(ttft, 50):>9.3f} {pct(ttft, 99):>9.3f} "
                   f"{pct(e2e, 50):>8.3f} {pct(e2e, 99):>8.3f} {pct(transit, 50):>11.3f} {pct(transit, 99):>11.3f} "
-                  f"{'' if t == 'direct' else f'{a50:10.3f}'} {'' if t == 'direct' else f'{a99:10.3f}'}")
+                  f"{'' if t == 'direct' else f'{a50:10.3f}':>10} {'' if t == 'direct' else f'{a99:10.3f}':>10} "
+                  f"{max(spread_of[(t, mode)]) / max(1, sum(spread_of[(t, mode)])):>7.0%}")
     routers = [t for t in names if t != "direct"]
     served = sum(len(r) + args.rounds for r in results.values())
     print(f"backends: {backend_cpu / served * 1e3:.3f} ms of backend CPU per request (reference)")

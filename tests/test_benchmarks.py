@@ -1,0 +1,39 @@
+"""`make bench`'s gateway benchmark still runs end to end (a small load, kvroute only).
+
+The figures are not judged here (timing on a shared machine belongs to the benchmark's
+own run); this checks that every load is measured, that the report has its tables and
+goal lines, and that the chats are spread over both backends as the direct client does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gateway_latency_benchmark_runs_and_reports_every_load():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gateway_latency.py"), "--rounds", "1", "--sequential", "3",
+         "--concurrent", "8", "--turns", "2", "--pace-chunks", "4", "--pace-ttft-ms", "10", "--pace-itl-ms", "5",
+         "--targets", "kvroute"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    rows = {(m.group(1), m.group(2)): m.group(0) for m in re.finditer(r"^(sequential|saturated|paced)\s+(direct|kvroute)\s.*$", text, re.M)}
+    assert set(rows) == {(load, t) for load in ("sequential", "saturated", "paced") for t in ("direct", "kvroute")}
+    for (load, target), row in rows.items():
+        n = int(row.split()[2])
+        assert n == (3 if load == "sequential" else 8) * 2, row  # chats x turns
+        busier = int(row.split()[-1].rstrip("%"))
+        if load != "sequential":  # concurrent chats with prompts of their own: both backends used
+            assert busier <= 75, row
+    assert "CPU per request" in text
+    for load in ("sequential", "saturated", "paced"):
+        assert re.search(rf"^goal p50 added <= 1 ms \({load}\): (met|NOT met) \(-?\d", text, re.M), text
