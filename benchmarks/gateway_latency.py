@@ -369,7 +369,7 @@ LOADS = (("sequential", "sequential", False, "instant"), ("saturated", "concurre
 GOAL_LOADS = ("sequential", "paced")
 
 
-def main() -> None:
+def main() -> int:
     global PEER_POLICY
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5, help="rounds; targets take turns within each")
@@ -392,7 +392,7 @@ def main() -> None:
     args = p.parse_args()
     if args.serve_backend:
         serve_backend(args.serve_backend, args.chunks, args.pace_ttft_ms / 1e3, args.pace_itl_ms / 1e3)
-        return
+        return 0
     PEER_POLICY = args.peer_policy
     targets = [t for t in args.targets.split(",") if t] if args.targets else default_targets()
     unknown = [t for t in targets if t not in TARGETS]
@@ -469,11 +469,13 @@ def main() -> None:
     finally:
         for proc in procs:
             stop_process(proc)
-    report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wall, spread_of)
+    return report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wall, spread_of)
 
 
-def report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wall, spread_of) -> None:
-    """Print the tables, ratios and goals (see the module docstring)."""
+def report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wall, spread_of) -> int:
+    """Print the tables, ratios and goals (see the module docstring); 1 when kvroute missed
+    a goal on a judged load (``GOAL_LOADS``), else 0."""
+    missed = False
     print(f"gateway latency benchmark: {args.rounds} rounds, {args.turns} turns per chat, "
           f"{args.chunks} SSE events per reply (paced: {args.pace_chunks}, EMULATED engine pace: first on the "
           f"first {args.pace_itl_ms:g} ms tick {args.pace_ttft_ms:g} ms after the request, one per tick after; "
@@ -536,13 +538,16 @@ def report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wa
             best = min(rust, key=lambda t: added[(t, mode)][0])
             b50, b99 = added[(best, mode)]
             goal = "met" if a50 <= 1.5 * b50 or a50 <= 0 else "NOT met"
+            missed |= goal != "met" and mode in GOAL_LOADS
             print(f"  {mode:<11} kvroute p50 {a50:.3f} ms vs {best} {b50:.3f} ms: {ratio(a50, b50)} ({goal});"
                   f"  p99 {a99:.3f} ms vs {b99:.3f} ms: {ratio(a99, b99)}")
     for mode in modes:
         a50 = added[("kvroute", mode)][0] if ("kvroute", mode) in added else float("nan")
         judged = "" if mode in GOAL_LOADS else " [not judged: every process flat out on this machine's cores]"
         print(f"goal p50 added <= 1 ms ({mode}): {'met' if a50 <= 1.0 else 'NOT met'} ({a50:.3f} ms){judged}")
+        missed |= not a50 <= 1.0 and mode in GOAL_LOADS and "kvroute" in names
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
