@@ -80,6 +80,19 @@ def chunked(*parts: bytes, trailer: bytes = b"") -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n" + trailer + b"\r\n"
 
 
+def split(raw: bytes, cuts: list[int]) -> list[bytes]:
+    """``raw`` cut into pieces of the given lengths (the rest, if any, as a last piece)."""
+    pieces, pos = [], 0
+    for c in cuts:
+        if pos >= len(raw):
+            break
+        pieces.append(raw[pos : pos + c])
+        pos += c
+    if pos < len(raw):
+        pieces.append(raw[pos:])
+    return pieces
+
+
 SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nX-Backend: b0\r\n\r\n"
 EVENTS = [b"data: {\"t\": %d}\n\n" % i for i in range(5)] + [b"data: [DONE]\n\n"]
 
@@ -104,15 +117,7 @@ async def exchange(pool: UpstreamPool, srv: RawServer) -> tuple[int, list[tuple[
 def test_chunked_bodies_decode_however_the_bytes_are_split(cuts, trailer_junk):
     """The whole response (head, chunk framing, trailers) cut at arbitrary points."""
     trailer = b"X-Trailer: 1\r\n" if trailer_junk else b""
-    raw = SSE_HEAD + chunked(*EVENTS, trailer=trailer)
-    pieces, pos = [], 0
-    for c in cuts:
-        if pos >= len(raw):
-            break
-        pieces.append(raw[pos : pos + c])
-        pos += c
-    if pos < len(raw):
-        pieces.append(raw[pos:])
+    pieces = split(SSE_HEAD + chunked(*EVENTS, trailer=trailer), cuts)
 
     async def body():
         srv = await RawServer([pieces], pause_s=0.0005).start()
@@ -296,15 +301,7 @@ async def relayed(pool: UpstreamPool, srv: RawServer, first_read: bool = True) -
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.booleans())
 def test_relay_hands_on_the_same_body_however_the_bytes_are_split(cuts, first_read):
     """Relay mode gives the sink exactly what read() would give, ends once, keeps alive."""
-    raw = SSE_HEAD + chunked(*EVENTS)
-    pieces, pos = [], 0
-    for c in cuts:
-        if pos >= len(raw):
-            break
-        pieces.append(raw[pos : pos + c])
-        pos += c
-    if pos < len(raw):
-        pieces.append(raw[pos:])
+    pieces = split(SSE_HEAD + chunked(*EVENTS), cuts)
 
     async def body():
         srv = await RawServer([pieces], pause_s=0.0005).start()
