@@ -570,7 +570,7 @@ class _ClientConnection(asyncio.Protocol):
         self.first_at = perf_counter()
         self.first_events = chunk.count(b"data:")
         self.first_end = end
-        if self.closed:
+        if self.closed or self.transport.is_closing():
             return
         head = self._head(up, worker, self.keep)
         head.append(b"Transfer-Encoding: chunked\r\n\r\n")
@@ -618,7 +618,7 @@ class _ClientConnection(asyncio.Protocol):
 
         def sink(data: bytes, end: bool) -> None:
             """Each read from the worker, re-framed, straight to the client (see Upstream.relay)."""
-            if self.closed:
+            if self.closed or transport.is_closing():  # (the client left; its loss is on its way)
                 return
             if data:
                 transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if end else b"%x\r\n%b\r\n" % (len(data), data))
