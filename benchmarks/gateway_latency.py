@@ -18,7 +18,10 @@ targets take turns round by round instead of one after another):
   with a note. More routers can be added to ``TARGETS`` (a name and a function that
   starts it and returns its URL and process);
 * three loads per round, each chat ``--turns`` turns with growing messages and an
-  ``X-Session-ID`` over kept-alive connections:
+  ``X-Session-ID`` over kept-alive connections. Each chat's system prompt starts with
+  its own id, so no two chats share a prefix and a cache-aware router spreads them over
+  the backends as the direct client does (column ``busier``: the share of requests on
+  the busier backend, from the backends' own counts):
 
   - ``sequential``: ``--sequential`` chats one after another (instant backends);
   - ``saturated``: ``--concurrent`` chats at once (64 by default) on the instant
@@ -32,7 +35,9 @@ targets take turns round by round instead of one after another):
     Each target has its own router process for this load, on the paced backends.
 
 For every target it reports TTFT (send -> first body byte) and E2E (send -> last byte)
-p50 / p99, and the added latency: the target's percentile minus direct's. Then the
+p50 / p99, transit (TTFT less the backend's own time from taking the request to sending
+its first event, which the backend stamps into that event), and the added latency: the
+target's transit percentile minus direct's. Then the
 ratios: each router's p50 / p99 added latency over the best other router's, when
 there is one, and kvroute's over the better Rust router's. Goal (issue 4): p50 added
 latency at most 1 ms (judged on the sequential and paced loads; the saturated load is
@@ -41,7 +46,7 @@ CPU seconds per request of each router process (all its threads, from /proc) and
 this client, per load: with many concurrent chats on a few cores, added latency is
 mostly CPU per request and time waiting for a core, and the client's share shows that
 every target was driven alike (a router that coalesces a reply into fewer writes also
-saves the client reads).
+saves the client reads). Exit status 1 when kvroute missed a goal on a judged load.
 
 Usage: python benchmarks/gateway_latency.py [--rounds 5] [--sequential 40] [--turns 4]
        [--concurrent 64] [--pace-ttft-ms 50] [--pace-itl-ms 20] [--pace-chunks 32]
