@@ -304,7 +304,7 @@ async def measure(url_of_chat: Callable[[int], str], chats: int, turns: int, con
     return out
 
 
-def served(backends: list[str]) -> list[int]:
+def served_counts(backends: list[str]) -> list[int]:
     """Completions each backend has answered so far."""
     import urllib.request
 
@@ -460,10 +460,10 @@ def main() -> int:
                 for t in order:
                     proc = router_proc[(t, kind)]
                     c0, k0, w0 = cpu_s(proc), time.process_time(), wait_s(proc)
-                    s0 = served(backend_sets[kind])
+                    s0 = served_counts(backend_sets[kind])
                     results[(t, mode)] += asyncio.run(
                         measure(urls[(t, kind)], n, args.turns, concurrent, chat, spread[kind]))
-                    for i, (a, b) in enumerate(zip(s0, served(backend_sets[kind]))):
+                    for i, (a, b) in enumerate(zip(s0, served_counts(backend_sets[kind]))):
                         spread_of[(t, mode)][i] += b - a
                     cpu[(t, mode)] += cpu_s(proc) - c0
                     waited[(t, mode)] += wait_s(proc) - w0

@@ -97,6 +97,11 @@ SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Enco
 EVENTS = [b"data: {\"t\": %d}\n\n" % i for i in range(5)] + [b"data: [DONE]\n\n"]
 
 
+def one_piece_per_event(events: list[bytes]) -> list[bytes]:
+    """An SSE response as pieces to send apart: the head, one chunk per event, the end."""
+    return [SSE_HEAD] + [b"%x\r\n%s\r\n" % (len(e), e) for e in events] + [b"0\r\n\r\n"]
+
+
 async def exchange(pool: UpstreamPool, srv: RawServer) -> tuple[int, list[tuple[str, str]], bytes, int]:
     """One request: status, headers, the whole body, and how many reads it took."""
     resp = await pool.request("127.0.0.1", srv.port, request())
@@ -137,7 +142,7 @@ def test_chunked_bodies_decode_however_the_bytes_are_split(cuts, trailer_junk):
 
 def test_events_arrive_one_read_each_when_sent_apart():
     async def body():
-        pieces = [SSE_HEAD] + [chunked(e)[: -len(b"0\r\n\r\n")] for e in EVENTS] + [b"0\r\n\r\n"]
+        pieces = one_piece_per_event(EVENTS)
         srv = await RawServer([pieces], pause_s=0.02).start()
         pool = UpstreamPool()
         try:
@@ -321,7 +326,7 @@ def test_relay_hands_on_the_same_body_however_the_bytes_are_split(cuts, first_re
 
 def test_relay_sends_each_event_from_its_own_read_and_fails_like_read():
     async def body():
-        pieces = [SSE_HEAD] + [chunked(e)[: -len(b"0\r\n\r\n")] for e in EVENTS] + [b"0\r\n\r\n"]
+        pieces = one_piece_per_event(EVENTS)
         srv = await RawServer([pieces], pause_s=0.02).start()
         pool = UpstreamPool()
         try:
@@ -351,7 +356,7 @@ def test_relay_times_out_on_silence_not_on_a_long_steady_stream():
     async def body():
         # a stream of 1.2 s made of events 0.1 s apart, under a 0.5 s read timeout: no timeout
         events = [b"data: {\"t\": %d}\n\n" % i for i in range(12)]
-        pieces = [SSE_HEAD] + [chunked(e)[: -len(b"0\r\n\r\n")] for e in events] + [b"0\r\n\r\n"]
+        pieces = one_piece_per_event(events)
         steady = await RawServer([pieces], pause_s=0.1).start()
         pool = UpstreamPool(read_timeout_s=0.5)
         try:
@@ -401,7 +406,7 @@ def test_a_paused_relay_stops_reading_the_worker_and_loses_nothing():
 
 def test_first_hands_over_the_first_bytes_then_relay_the_rest():
     async def body():
-        pieces = [SSE_HEAD] + [chunked(e)[: -len(b"0\r\n\r\n")] for e in EVENTS] + [b"0\r\n\r\n"]
+        pieces = one_piece_per_event(EVENTS)
         srv = await RawServer([pieces], pause_s=0.02).start()
         pool = UpstreamPool()
         try:

@@ -217,6 +217,12 @@ class _RelayResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+def _chunk(data: bytes, end: bool) -> bytes:
+    """``data`` as one chunk of a chunked body (none if empty), with the body's end if ``end``."""
+    framed = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+    return framed + b"0\r\n\r\n" if end else framed
+
+
 class _UpstreamFailed(Exception):
     """An attempt failed before any byte reached the client (so it may be retried)."""
 
@@ -573,11 +579,7 @@ class _ClientConnection(asyncio.Protocol):
         if self.closed or self.transport.is_closing():
             return
         head = self._head(up, worker, self.keep)
-        head.append(b"Transfer-Encoding: chunked\r\n\r\n")
-        if chunk:
-            head += (b"%x\r\n" % len(chunk), chunk, b"\r\n0\r\n\r\n" if end else b"\r\n")
-        else:
-            head.append(b"0\r\n\r\n")
+        head += (b"Transfer-Encoding: chunked\r\n\r\n", _chunk(chunk, end))
         self.transport.write(b"".join(head))
 
     async def _relay(self, a: _Attempt, worker: str, flight: Flight, t_pre: float, keep_alive: bool) -> bool:
@@ -620,11 +622,9 @@ class _ClientConnection(asyncio.Protocol):
             """Each read from the worker, re-framed, straight to the client (see Upstream.relay)."""
             if self.closed or transport.is_closing():  # (the client left; its loss is on its way)
                 return
+            transport.write(_chunk(data, end))
             if data:
-                transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if end else b"%x\r\n%b\r\n" % (len(data), data))
                 view.add_output(flight, data.count(b"data:"))
-            elif end:
-                transport.write(b"0\r\n\r\n")
 
         self.upstream = up
         if self.write_paused:  # the first write filled the client's socket
@@ -1231,7 +1231,7 @@ def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
         await gw.start(host, port)
         # What start-up made (modules, app, policy) lives as long as the process: move it
         # out of the cyclic collector's reach, whose full passes otherwise walk all of it
-        # while requests wait (a sixth of the gateway's CPU under streaming load).
+        # while requests wait (about 13% of the gateway's CPU under streaming load, perf).
         gc.collect()
         gc.freeze()
         stop = asyncio.Event()

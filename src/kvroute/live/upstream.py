@@ -322,19 +322,21 @@ class Upstream(asyncio.Protocol):
             else:
                 d.set_exception(UpstreamError("read", "worker closed the connection"))
 
+    def _take(self) -> bytes:
+        """The body bytes parsed and not yet handed on (b"" if none), no longer buffered."""
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        self._chunks = []
+        self._buffered = 0
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
     def _to_sink(self) -> None:
         """Relay mode: hand the body bytes parsed so far to the sink, with the end if it came."""
-        chunks = self._chunks
         end = self.state == _DONE
-        if chunks:
-            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            self._chunks = []
-            self._buffered = 0
-            self._sink(data, end)
-        elif end:
-            self._sink(b"", True)
-        else:
+        if not self._chunks and not end:
             return
+        self._sink(self._take(), end)
         if end:
             d = self._done
             self._sink = None
@@ -376,11 +378,8 @@ class Upstream(asyncio.Protocol):
     async def read(self) -> bytes:
         """The body bytes that arrived since the last call (waits for some); b"" at the end."""
         while True:
-            chunks = self._chunks
-            if chunks:
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                self._chunks = []
-                self._buffered = 0
+            if self._chunks:
+                data = self._take()
                 if self._paused and not self._closed:
                     self._paused = False
                     self.transport.resume_reading()
@@ -395,13 +394,10 @@ class Upstream(asyncio.Protocol):
 
     def _hand_first(self) -> None:
         """Give :meth:`first`'s callback the body bytes parsed so far (if any, or the end)."""
-        chunks = self._chunks
         end = self.state == _DONE
-        if not chunks and not end:
+        if not self._chunks and not end:
             return
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks) if chunks else b""
-        self._chunks = []
-        self._buffered = 0
+        data = self._take()
         if self._paused and not self._held and not self._closed:
             self._paused = False
             self.transport.resume_reading()
