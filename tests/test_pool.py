@@ -22,6 +22,7 @@ from hypothesis.stateful import (
 )
 
 from kvroute.kvcache.hashing import chain_hashes
+from kvroute.kvcache.holders import Holders
 from kvroute.kvcache.pool import BlockPool
 
 
@@ -69,6 +70,8 @@ class PoolMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 32))
     def setup(self, num_blocks: int) -> None:
         self.pool = BlockPool(num_blocks, block_size=4)
+        self.holders = Holders()  # kept current by the pool, as in a simulated cluster
+        self.pool.share_holders(self.holders, 1 << 3)
         self.n = num_blocks
         # reference model
         self.m_free: list[int] = list(range(num_blocks))  # head first
@@ -212,6 +215,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert p.cached == self.m_cached
         held = sorted(b for blocks in self.live.values() for b in blocks)
         assert held == sorted(b for b in range(self.n) for _ in range(self.m_ref[b]))
+        # the cluster-wide holders know exactly the hashes this pool caches
+        assert self.holders.mask == {h: 1 << 3 for h in self.m_cached}
 
 
 PoolMachine.TestCase.settings = settings(

@@ -97,3 +97,40 @@ def test_open_loop_and_preemption(tmp_path):
     s = simulate_experiment(exp, tmp_path / "o")
     df = pd.read_parquet(tmp_path / "o/requests.parquet")
     assert s.errors.iloc[0] == 0 and len(df) == s.requests.iloc[0] > 40
+
+
+def test_exact_view_matches_every_pool_under_eviction():
+    """The exact view answers all workers at once from the cluster-wide holders index;
+    each answer must equal that worker's own pool searched alone, also while the
+    caches evict (eight workers, a KV cache of a few chats each)."""
+    import dataclasses
+
+    import numpy as np
+
+    from kvroute.hardware import load_hardware
+    from kvroute.policies import make_policy
+    from kvroute.sim.cluster import SimCluster
+    from kvroute.workload import generate
+
+    hw = load_hardware("a6000x4")
+    small = dataclasses.replace(hw, workers=8, kv_cache_bytes=200 * 16 * hw.model.kv_bytes_per_token)
+    trace = generate("note2", seed=3, chats=48, turns=5, system_words=120, user_words=60, reply_tokens=32)
+    inner = make_policy("round_robin", np.random.default_rng(0))  # moves chats: parts of them everywhere
+    seen = {"checks": 0, "partial": 0}
+
+    class Checking(type(inner)):
+        def choose(self, request, view):
+            answers = []
+            for i, w in enumerate(view.workers):
+                alone = cluster.engines[i].pool.num_cached_blocks(request.block_hashes) * view.block_size
+                assert view.matched_tokens(w, request) == alone, (request.request_id, w)
+                answers.append(alone)
+            seen["checks"] += 1
+            seen["partial"] += len(set(answers)) > 2  # nobody, the shared prompt, the chat
+            return super().choose(request, view)
+
+    cluster = SimCluster(trace, small, Checking(np.random.default_rng(0)), np.random.default_rng(1), True)
+    rows = cluster.run()
+    assert len(rows) == seen["checks"] == 48 * 5
+    assert sum(e.pool.num_evictions for e in cluster.engines) > 0, "the test needs evictions"
+    assert seen["partial"] > 0, "the test needs workers holding different parts of one chain"

@@ -17,7 +17,9 @@ survivor, so a hash is cached exactly while some block holds it.
 
 Prefix closure: with chains freed tail-first and touched only as chain prefixes, a
 cached block's whole prefix is cached too, so :meth:`num_cached_blocks` can
-binary-search a chain (routers ask it for every worker on every request).
+binary-search a chain, and a cluster's :class:`~kvroute.kvcache.holders.Holders`
+(kept current here once :meth:`share_holders` is called) can answer a router's
+question for every worker at once.
 
 Speed: the free queue is lazy. Freeing appends blocks to a numpy buffer (recording
 each block's position) and taking a reference only marks the block; entries whose
@@ -39,6 +41,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+from kvroute.kvcache.holders import Holders
 
 
 class BlockPool:
@@ -68,6 +72,14 @@ class BlockPool:
         self._num_dup = 0  # blocks flagged in _dup (usually none: match skips the check)
         self._chains: dict[int, tuple[np.ndarray, bytes]] = {}  # last hash -> (ids, their epochs' bytes)
         self._max_chains = max(64, num_blocks // 64)  # oldest forgotten first (a cache, exact either way)
+        self.holders: Holders | None = None  # cluster-wide holders of each hash, when shared
+        self.holder_bit = 0
+
+    def share_holders(self, holders: Holders, bit: int) -> None:
+        """From now on keep ``holders`` told, under ``bit``, which hashes this pool caches."""
+        self.holders = holders
+        self.holder_bit = bit
+        holders.add(bit, self.cached)
 
     # -- queries -------------------------------------------------------------
     @property
@@ -233,7 +245,7 @@ class BlockPool:
                 got.extend(blocks.tolist())
                 i = i + int(live[-1]) + 1 if len(live) == want else hi  # stop just past the last block taken
         self._head = i
-        bh, cached, dups = self.block_hash, self.cached, self._dups
+        bh, cached, dups, hold = self.block_hash, self.cached, self._dups, self.holders
         evicted = 0
         for b in got:
             h = bh[b]
@@ -242,6 +254,8 @@ class BlockPool:
                     bh[b] = None
                     del cached[h]
                     evicted += 1
+                    if hold is not None:
+                        hold.drop(self.holder_bit, h)
                 else:
                     self._evict(b)
         self.num_evictions += evicted
@@ -259,6 +273,8 @@ class BlockPool:
                 self._num_dup -= 1
             else:
                 del self.cached[h]
+                if self.holders is not None:
+                    self.holders.drop(self.holder_bit, h)
         elif others:
             others.remove(b)
             self._dup[b] = False
@@ -277,10 +293,12 @@ class BlockPool:
             self._num_dup += 1
         else:
             self.cached[h] = block
+            if self.holders is not None:
+                self.holders.gain(self.holder_bit, h)
 
     def cache_full_blocks(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """:meth:`cache_full_block` for pairs of blocks and hashes."""
-        bh, cached = self.block_hash, self.cached
+        bh, cached, hold = self.block_hash, self.cached, self.holders
         for b, h in zip(blocks, hashes):
             if bh[b] is None:
                 if h in cached:
@@ -288,6 +306,8 @@ class BlockPool:
                 else:
                     bh[b] = h
                     cached[h] = b
+                    if hold is not None:
+                        hold.gain(self.holder_bit, h)
 
     def free_blocks(self, ordered_blocks: Sequence[int] | np.ndarray) -> None:
         """Drop one reference on each of distinct blocks; those reaching zero join the
@@ -329,6 +349,9 @@ class BlockPool:
         """Forget every cached hash (only allowed when no block is in use, as in vLLM)."""
         if self.num_used_blocks:
             return False
+        if self.holders is not None:
+            for h in self.cached:
+                self.holders.drop(self.holder_bit, h)
         self.cached.clear()
         self._dups.clear()
         self._dup[:] = False

@@ -21,6 +21,7 @@ import simpy
 
 from kvroute.costmodel import StepTimeModel
 from kvroute.hardware import Hardware
+from kvroute.kvcache.holders import Holders
 from kvroute.kvcache.index import ApproxPrefixIndex
 from kvroute.policies.base import Policy, RouteRequest
 from kvroute.sim.engine import Engine, EngineRequest
@@ -107,7 +108,9 @@ class SimView:
         self.block_size = cluster.hw.engine.block_size
         self._index = cluster.worker_index
         self.workers: Sequence[str] = cluster.workers  # fixed for the run
-        self._pools = {w: e.pool for w, e in zip(cluster.workers, cluster.engines)}
+        self._holders: Holders | None = None  # shared by the pools once a policy asks for matches
+        self._asked: RouteRequest | None = None  # the request whose matches are in _matched
+        self._matched: list[int] = []
 
     def is_up(self, worker: str) -> bool:
         return True
@@ -127,12 +130,20 @@ class SimView:
         return self.c.engines[i].queue_delay_s(self.c.in_transit_tokens[i])
 
     def matched_tokens(self, worker: str, request: RouteRequest) -> int:
-        hashes = request.block_hashes
-        if self.exact:
-            n = self._pools[worker].num_cached_blocks(hashes)
-        else:
-            n = self.c.index.match(worker, hashes, self.c.env.now)
-        return n * self.block_size
+        if not self.exact:
+            return self.c.index.match(worker, request.block_hashes, self.c.env.now) * self.block_size
+        if request is not self._asked:  # every worker's match at once (policies ask them all)
+            if self._holders is None:
+                self._holders = Holders()
+                for i, e in enumerate(self.c.engines):
+                    e.pool.share_holders(self._holders, 1 << i)
+            self._matched = self._holders.matched_blocks(request.block_hashes, len(self.workers))
+            self._asked = request
+        return self._matched[self._index[worker]] * self.block_size
+
+    def forget_request(self) -> None:
+        """Drop the remembered matches: the caches change once the request is routed."""
+        self._asked = None
 
     def index_size(self, worker: str) -> int:
         if self.exact:
@@ -205,6 +216,7 @@ class SimCluster:
         bs = self.hw.engine.block_size
         req = RouteRequest(f"r{rid}", conv.id, turn, prompt, hashes[: prompt // bs])
         worker = self.policy.choose(req, self.view)
+        self.view.forget_request()
         i = self.worker_index[worker]
         self.sessions[conv.id] = worker
         if not self.view.exact:  # the exact view reads the engines; no index to keep

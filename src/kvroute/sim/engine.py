@@ -385,6 +385,9 @@ class Engine:
                 else:
                     pool.block_hash[b] = h
                     pool.cached[h] = b
+                    if pool.holders is not None:  # Holders.gain, inlined
+                        mask = pool.holders.mask
+                        mask[h] = mask.get(h, 0) | pool.holder_bit
             r.num_cached_blocks = full
         elif full > a:
             self.pool.cache_full_blocks(new[a - npre : full - npre], hashes[a:full])
