@@ -79,6 +79,12 @@ class ChatShape:
     def growth(self) -> int:
         return self.user_tokens + self.reply_tokens
 
+    @classmethod
+    def of(cls, conversation) -> ChatShape:
+        """The shape of a uniform conversation (a ``note2`` trace's), from its first turn."""
+        c = conversation
+        return cls(c.system_tokens, c.turns[0].user_tokens, c.turns[0].output_tokens, len(c.turns))
+
 
 def _check(n: int, policy: str) -> None:
     if n < 1:
@@ -225,6 +231,13 @@ def expected_workers_used(n: int, draws: int) -> float:
     return n * (1 - (1 - 1 / n) ** draws)
 
 
+def conversation_sizes(trace) -> list[tuple[int, list[int], list[int]]]:
+    """(system_tokens, user sizes, reply sizes) of each of a trace's conversations:
+    what :func:`trace_hit_rate` takes."""
+    return [(c.system_tokens, [t.user_tokens for t in c.turns], [t.output_tokens for t in c.turns])
+            for c in trace.conversations]
+
+
 def trace_hit_rate(
     conversations: Sequence[tuple[int, Sequence[int], Sequence[int]]],
     n: int,
@@ -307,11 +320,9 @@ def run_sweep(
     summaries = []
     for si, words in enumerate(system_words):
         trace = generate("note2", seed, system_words=int(words), **wl)
-        conv0 = trace.conversations[0]
-        S = conv0.system_tokens
-        shape = ChatShape(S, conv0.turns[0].user_tokens, conv0.turns[0].output_tokens, len(conv0.turns))
-        convs = [(c.system_tokens, [t.user_tokens for t in c.turns], [t.output_tokens for t in c.turns])
-                 for c in trace.conversations]
+        shape = ChatShape.of(trace.conversations[0])
+        S = shape.system_tokens
+        convs = conversation_sizes(trace)
         for n in workers:
             hw = sweep_hardware(n)
             B = hw.engine.block_size
