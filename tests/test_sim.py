@@ -131,6 +131,7 @@ def test_exact_view_matches_every_pool_under_eviction():
 
     cluster = SimCluster(trace, small, Checking(np.random.default_rng(0)), np.random.default_rng(1), True)
     rows = cluster.run()
+    assert cluster.view._holders is not None, "eight workers should take the holders index"
     assert len(rows) == seen["checks"] == 48 * 5
     assert sum(e.pool.num_evictions for e in cluster.engines) > 0, "the test needs evictions"
     assert seen["partial"] > 0, "the test needs workers holding different parts of one chain"

@@ -102,7 +102,8 @@ class Pending:
 #: From this many workers on, the exact view answers from a cluster-wide holders index
 #: (kvroute.kvcache.holders) instead of searching each worker's pool. Keeping the index
 #: costs a dict update per cached block: on four workers that made note2-20turn's
-#: kv_aware run 8% slower, on forty it made it 1.4 times faster (sim_speed.py).
+#: kv_aware run about 8% slower; on forty (tenfold chats) it runs about 1.2 times
+#: faster than the per-pool search (README, "Speed").
 HOLDERS_MIN_WORKERS = 8
 
 
