@@ -8,10 +8,11 @@ ratios are measured side by side):
 2. the same workload with ten times the conversations (640 chats), once on the
    same four workers (each engine's batch grows tenfold too) and once on forty
    workers (load per worker unchanged): the wall-time ratio against (1), next to
-   the request-count ratio (10x) and the ratio of tokens the engines prefilled (the
-   simulated work: tenfold chats on four workers overflow the KV cache, and
-   round-robin on forty workers rarely finds a chat's history, so both prefill far
-   more per request). Wall time growing like requests times prefill is linear growth.
+   the request-count ratio (10x), the ratio of engine steps simulated and the ratio
+   of tokens the engines prefilled (the simulated work: tenfold chats on four workers
+   overflow the KV cache, and round-robin on forty workers rarely finds a chat's
+   history, so both prefill far more per request). Wall time growing like the steps
+   and the prefill is linear growth.
 
 Usage: python benchmarks/sim_speed.py [--repeat N]   (make bench)
 """
@@ -40,10 +41,15 @@ def prefilled(rows) -> int:
     return sum(r["prompt_tokens"] - r["cached_tokens"] for r in rows)
 
 
-def timed(exp, trace, runs) -> tuple[float, float, int, int]:
-    """Simulated seconds, wall seconds, requests and prefilled tokens of ``runs``."""
+def steps(worker_stats: dict[str, dict]) -> int:
+    """Engine steps the run simulated, over all workers."""
+    return sum(w["steps"] for w in worker_stats.values())
+
+
+def timed(exp, trace, runs) -> tuple[float, float, int, int, int]:
+    """Simulated seconds, wall seconds, requests, prefilled tokens and engine steps of ``runs``."""
     wall = sim = 0.0
-    n = work = 0
+    n = work = nsteps = 0
     for run in runs:
         t0 = time.perf_counter()
         rows, meta = simulate_run(exp, run, trace)
@@ -51,13 +57,14 @@ def timed(exp, trace, runs) -> tuple[float, float, int, int]:
         sim += meta["sim_s"]
         n += len(rows)
         work += prefilled(rows)
-    return sim, wall, n, work
+        nsteps += steps(meta["worker_stats"])
+    return sim, wall, n, work, nsteps
 
 
-def timed_cluster(trace, hw, runs) -> tuple[float, float, int, int]:
+def timed_cluster(trace, hw, runs) -> tuple[float, float, int, int, int]:
     """Like :func:`timed` on a hardware variant that has no profile file (more workers)."""
     wall = sim = 0.0
-    n = work = 0
+    n = work = nsteps = 0
     for run in runs:
         cluster = SimCluster(trace, hw, make_policy(run.policy, np.random.default_rng(1)), np.random.default_rng(2), True)
         t0 = time.perf_counter()
@@ -66,7 +73,8 @@ def timed_cluster(trace, hw, runs) -> tuple[float, float, int, int]:
         sim += max(r["finish_s"] for r in rows)
         n += len(rows)
         work += prefilled(rows)
-    return sim, wall, n, work
+        nsteps += steps(cluster.worker_stats())
+    return sim, wall, n, work, nsteps
 
 
 def main() -> int:
@@ -99,15 +107,15 @@ def main() -> int:
         f"{wide_hw.workers} workers": {r.policy: min((timed_cluster(big_trace, wide_hw, [r]) for _ in range(reps)), key=lambda t: t[1]) for r in runs},
     }
     print(f"tenfold conversations ({big_trace.num_requests} requests, x{big_trace.num_requests / trace.num_requests:.0f}):"
-          " wall time x (prefilled tokens x)")
-    print(f"  {'':16s}" + "".join(f"{r.policy:>22s}" for r in runs) + f"{'all three':>22s}")
+          " wall time x (engine steps x, prefilled tokens x)")
+    print(f"  {'':16s}" + "".join(f"{r.policy:>26s}" for r in runs) + f"{'all three':>26s}")
     for label, res in cases.items():
         cells = []
         for key in [r.policy for r in runs] + [None]:
             a = per_policy[key] if key else tuple(map(sum, zip(*per_policy.values())))
             b = res[key] if key else tuple(map(sum, zip(*res.values())))
-            w, p = b[1] / a[1], b[3] / a[3]
-            cells.append(f"x{w:.1f} (x{p:.1f})".rjust(22))
+            w, p, st = b[1] / a[1], b[3] / a[3], b[4] / a[4]
+            cells.append(f"x{w:.1f} (x{st:.1f}, x{p:.1f})".rjust(26))
         print(f"  {label:16s}" + "".join(cells))
     return 0
 

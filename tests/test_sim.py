@@ -1,6 +1,7 @@
 """The simulator end to end: determinism, accounting, and the effects it must show."""
 
 import hashlib
+import json
 
 import pandas as pd
 import pytest
@@ -59,6 +60,9 @@ def test_every_request_recorded_with_contract_columns(tmp_path):
     assert df.groupby(["policy", "conversation"]).turn.apply(lambda t: sorted(t) == [0, 1, 2, 3]).all()
     for col in ["time_to_complete_s", "ttft_p99_ms", "later_ttft_mean_ms", "hit_rate", "imbalance", "sim_seconds_per_wall_second"]:
         assert summary[col].notna().all(), col
+    # run.json keeps each worker's counters; every worker ran steps (sim_speed.py counts them)
+    runs = json.loads((tmp_path / "o/run.json").read_text())["runs"]
+    assert all(w["steps"] > 0 and w["busy_s"] > 0 for r in runs for w in r["worker_stats"].values())
 
 
 def test_kv_aware_reuses_more_than_round_robin(tmp_path):

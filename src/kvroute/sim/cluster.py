@@ -326,6 +326,7 @@ class SimCluster:
                 "preemptions": e.num_preemptions,
                 "evictions": e.pool.num_evictions,
                 "busy_s": e.busy_s,
+                "steps": e.steps,
             }
             for e in self.engines
         }

@@ -175,6 +175,11 @@ class Engine:
 
     # -- interface ----------------------------------------------------------
     @property
+    def steps(self) -> int:
+        """Engine steps simulated so far (vLLM's iterations; the simulator's unit of work)."""
+        return self._tick
+
+    @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
