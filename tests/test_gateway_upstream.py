@@ -8,6 +8,7 @@ exercised exactly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import pytest
@@ -72,6 +73,19 @@ class RawServer:
         self.server.close()
 
 
+@contextlib.asynccontextmanager
+async def serving(replies: list[list[bytes]], pool: UpstreamPool | None = None, **server):
+    """A started RawServer (``server``: its keywords) and a pool (a fresh one unless
+    given), both closed when the block ends."""
+    srv = await RawServer(replies, **server).start()
+    pool = pool or UpstreamPool()
+    try:
+        yield srv, pool
+    finally:
+        pool.close()
+        await srv.stop()
+
+
 def request(body: bytes = b'{"x": 1}') -> bytes:
     return b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body) + body
 
@@ -125,17 +139,12 @@ def test_chunked_bodies_decode_however_the_bytes_are_split(cuts, trailer_junk):
     pieces = split(SSE_HEAD + chunked(*EVENTS, trailer=trailer), cuts)
 
     async def body():
-        srv = await RawServer([pieces], pause_s=0.0005).start()
-        pool = UpstreamPool(read_timeout_s=5)
-        try:
+        async with serving([pieces], pause_s=0.0005, pool=UpstreamPool(read_timeout_s=5)) as (srv, pool):
             for _ in range(2):  # the second on the same, kept-alive connection
                 status, headers, data, _ = await exchange(pool, srv)
                 assert status == 200 and ("X-Backend", "b0") in headers
                 assert data == b"".join(EVENTS)
             assert srv.connections == 1 and pool.connections_made == 1
-        finally:
-            pool.close()
-            await srv.stop()
 
     run(body())
 
@@ -143,14 +152,9 @@ def test_chunked_bodies_decode_however_the_bytes_are_split(cuts, trailer_junk):
 def test_events_arrive_one_read_each_when_sent_apart():
     async def body():
         pieces = one_piece_per_event(EVENTS)
-        srv = await RawServer([pieces], pause_s=0.02).start()
-        pool = UpstreamPool()
-        try:
+        async with serving([pieces], pause_s=0.02) as (srv, pool):
             _, _, data, reads = await exchange(pool, srv)
             assert data == b"".join(EVENTS) and reads == len(EVENTS)
-        finally:
-            pool.close()
-            await srv.stop()
 
     run(body())
 
@@ -164,32 +168,22 @@ def test_content_length_bodies_and_status_codes():
             [b"HTTP/1.1 404 Not Found\r\nContent-Length: 4\r\n\r\nnope"],
             [b"HTTP/1.1 204 No Content\r\n\r\n"],
         ]
-        srv = await RawServer(replies).start()
-        pool = UpstreamPool()
-        try:
+        async with serving(replies) as (srv, pool):
             got = [await exchange(pool, srv) for _ in range(3)]
             assert [(g[0], g[2]) for g in got] == [(200, ok), (404, b"nope"), (204, b"")]
             assert srv.connections == 1  # all three on one kept-alive connection
-        finally:
-            pool.close()
-            await srv.stop()
 
     run(body())
 
 
 def test_a_body_delimited_by_the_connection_end():
     async def body():
-        srv = await RawServer([[b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", b"abc", b"def"]],
-                              close_after=1).start()
-        pool = UpstreamPool()
-        try:
+        reply = [b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", b"abc", b"def"]
+        async with serving([reply], close_after=1) as (srv, pool):
             for _ in range(2):  # not reused: the next request opens a new connection
                 status, _, data, _ = await exchange(pool, srv)
                 assert status == 200 and data == b"abcdef"
             assert srv.connections == 2
-        finally:
-            pool.close()
-            await srv.stop()
 
     run(body())
 
@@ -197,16 +191,11 @@ def test_a_body_delimited_by_the_connection_end():
 def test_connection_close_is_honoured_and_a_stale_kept_alive_connection_is_retried():
     async def body():
         reply = [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]
-        srv = await RawServer([reply], close_after=1).start()  # keeps alive in words, closes in deed
-        pool = UpstreamPool()
-        try:
+        async with serving([reply], close_after=1) as (srv, pool):  # keeps alive in words, closes in deed
             for _ in range(3):
                 status, _, data, _ = await exchange(pool, srv)
                 assert (status, data) == (200, b"ok")
             assert srv.connections == 3
-        finally:
-            pool.close()
-            await srv.stop()
 
     run(body())
 
@@ -247,18 +236,13 @@ def test_failures_name_their_kind():
 
 def test_requests_are_sent_as_given_and_connections_set_tcp_nodelay():
     async def body():
-        srv = await RawServer([[b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"]]).start()
-        pool = UpstreamPool()
-        try:
+        async with serving([[b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"]]) as (srv, pool):
             resp = await pool.request("127.0.0.1", srv.port, request(b'{"a": "b"}'))
             sock = resp.transport.get_extra_info("socket")
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
             resp.release()
             assert srv.requests == [request(b'{"a": "b"}')]
             assert pool.idle("127.0.0.1", srv.port) == 1
-        finally:
-            pool.close()
-            await srv.stop()
 
     run(body())
 
@@ -268,18 +252,13 @@ def test_large_bodies_pause_and_resume_the_worker_socket():
         big = bytes(range(256)) * 8192  # 2 MiB, far past the pause mark
         replies = [[b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big), big],
                    [SSE_HEAD, chunked(big[:1_000_000], big[1_000_000:])]]
-        srv = await RawServer(replies).start()
-        pool = UpstreamPool()
-        try:
+        async with serving(replies) as (srv, pool):
             for _ in range(2):
                 resp = await pool.request("127.0.0.1", srv.port, request())
                 await asyncio.sleep(0.2)  # let it buffer (and pause) before reading
                 assert await resp.read_all() == big
                 resp.release()
             assert srv.connections == 1
-        finally:
-            pool.close()
-            await srv.stop()
 
     run(body())
 
@@ -309,17 +288,12 @@ def test_relay_hands_on_the_same_body_however_the_bytes_are_split(cuts, first_re
     pieces = split(SSE_HEAD + chunked(*EVENTS), cuts)
 
     async def body():
-        srv = await RawServer([pieces], pause_s=0.0005).start()
-        pool = UpstreamPool(read_timeout_s=5)
-        try:
+        async with serving([pieces], pause_s=0.0005, pool=UpstreamPool(read_timeout_s=5)) as (srv, pool):
             for _ in range(2):
                 data, ends, _ = await relayed(pool, srv, first_read)
                 assert data == b"".join(EVENTS)
                 assert ends[-1] and ends.count(True) == 1
             assert srv.connections == 1 and pool.idle("127.0.0.1", srv.port) == 1
-        finally:
-            pool.close()
-            await srv.stop()
 
     run(body())
 
@@ -327,15 +301,10 @@ def test_relay_hands_on_the_same_body_however_the_bytes_are_split(cuts, first_re
 def test_relay_sends_each_event_from_its_own_read_and_fails_like_read():
     async def body():
         pieces = one_piece_per_event(EVENTS)
-        srv = await RawServer([pieces], pause_s=0.02).start()
-        pool = UpstreamPool()
-        try:
+        async with serving([pieces], pause_s=0.02) as (srv, pool):
             data, ends, _ = await relayed(pool, srv)
             assert data == b"".join(EVENTS)
             assert len(ends) >= len(EVENTS) - 1  # one sink call per event sent apart
-        finally:
-            pool.close()
-            await srv.stop()
         # the worker dies halfway: the sink had what came, relay raises a read error
         dying = await RawServer([[SSE_HEAD, chunked(EVENTS[0])[:-5], b"5\r\nab"]], close_after=1).start()
         pool = UpstreamPool()
@@ -382,9 +351,7 @@ def test_relay_times_out_on_silence_not_on_a_long_steady_stream():
 def test_a_paused_relay_stops_reading_the_worker_and_loses_nothing():
     async def body():
         big = bytes(range(256)) * 8192  # 2 MiB
-        srv = await RawServer([[SSE_HEAD, chunked(big[:1_000_000], big[1_000_000:])]]).start()
-        pool = UpstreamPool()
-        try:
+        async with serving([[SSE_HEAD, chunked(big[:1_000_000], big[1_000_000:])]]) as (srv, pool):
             resp = await pool.request("127.0.0.1", srv.port, request())
             parts = []
             resp.pause()  # as the gateway does while its client's socket is full
@@ -397,9 +364,6 @@ def test_a_paused_relay_stops_reading_the_worker_and_loses_nothing():
             assert b"".join(parts) == big
             resp.release()
             assert pool.idle("127.0.0.1", srv.port) == 1
-        finally:
-            pool.close()
-            await srv.stop()
 
     run(body())
 
@@ -407,9 +371,7 @@ def test_a_paused_relay_stops_reading_the_worker_and_loses_nothing():
 def test_first_hands_over_the_first_bytes_then_relay_the_rest():
     async def body():
         pieces = one_piece_per_event(EVENTS)
-        srv = await RawServer([pieces], pause_s=0.02).start()
-        pool = UpstreamPool()
-        try:
+        async with serving([pieces], pause_s=0.02) as (srv, pool):
             resp = await pool.request("127.0.0.1", srv.port, request())
             got = []
             await resp.first(lambda data, end: got.append((data, end)))
@@ -417,9 +379,6 @@ def test_first_hands_over_the_first_bytes_then_relay_the_rest():
             await resp.relay(lambda data, end: got.append((data, end)))
             assert b"".join(d for d, _ in got) == b"".join(EVENTS) and got[-1][1]
             resp.release()
-        finally:
-            pool.close()
-            await srv.stop()
         # a worker that closes after the head: first() raises and never calls back
         mute = await RawServer([[SSE_HEAD]], close_after=1).start()
         pool = UpstreamPool()

@@ -1237,6 +1237,8 @@ def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
+            # a loop without signal support (Windows) raises NotImplementedError: Ctrl-C
+            # then stops the gateway through KeyboardInterrupt instead
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
         click.echo(
