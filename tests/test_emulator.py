@@ -195,18 +195,24 @@ def test_time_to_first_token_follows_the_cost_model():
     prefill = model.step_time(0, 0, [(prompt, 0)])  # one chunk: 4096-token budget
     api_lo = (hw.coefficients.api_overhead_ms - hw.coefficients.api_jitter_ms) * 1e-3
 
-    async def main():
-        async with await start_emulator(hw, 0, time_scale=1.0) as emu, aiohttp.ClientSession() as s:
-            msgs = [{"role": "user", "content": text.words("long", 2000)}]
-            t = time.perf_counter()
-            body = {"messages": msgs, "max_tokens": 2, "stream": True}
-            async with s.post(emu.url + "/v1/chat/completions", json=body) as resp:
-                async for line in resp.content:
-                    if b'"content":"' in line and b'"content":""' not in line:
-                        return time.perf_counter() - t
+    async def ttft(s: aiohttp.ClientSession, url: str, key: str) -> float:
+        msgs = [{"role": "user", "content": text.words(key, 2000)}]
+        t = time.perf_counter()
+        body = {"messages": msgs, "max_tokens": 2, "stream": True}
+        async with s.post(url + "/v1/chat/completions", json=body) as resp:
+            async for line in resp.content:
+                if b'"content":"' in line and b'"content":""' not in line:
+                    return time.perf_counter() - t
+        raise AssertionError("no token streamed")
 
-    ttft = run(main())
-    assert prefill + api_lo <= ttft < prefill + api_lo + 0.1, (ttft, prefill)
+    async def main():
+        # a busy machine only adds time: judge the best of three (new prompts, no cache hit)
+        async with await start_emulator(hw, 0, time_scale=1.0) as emu, aiohttp.ClientSession() as s:
+            return [await ttft(s, emu.url, f"long{i}") for i in range(3)]
+
+    ttfts = run(main())
+    assert all(t >= prefill + api_lo for t in ttfts), (ttfts, prefill)
+    assert min(ttfts) < prefill + api_lo + 0.1, (ttfts, prefill)
 
 
 def test_arrival_cuts_a_decode_run_at_the_next_step():
