@@ -46,35 +46,28 @@ def steps(worker_stats: dict[str, dict]) -> int:
     return sum(w["steps"] for w in worker_stats.values())
 
 
-def timed(exp, trace, runs) -> tuple[float, float, int, int, int]:
-    """Simulated seconds, wall seconds, requests, prefilled tokens and engine steps of ``runs``."""
-    wall = sim = 0.0
-    n = work = nsteps = 0
-    for run in runs:
-        t0 = time.perf_counter()
-        rows, meta = simulate_run(exp, run, trace)
-        wall += time.perf_counter() - t0
-        sim += meta["sim_s"]
-        n += len(rows)
-        work += prefilled(rows)
-        nsteps += steps(meta["worker_stats"])
-    return sim, wall, n, work, nsteps
+Timing = tuple[float, float, int, int, int]  # sim s, wall s, requests, prefilled tokens, engine steps
 
 
-def timed_cluster(trace, hw, runs) -> tuple[float, float, int, int, int]:
+def tally(rows, sim_s: float, wall_s: float, worker_stats: dict[str, dict]) -> Timing:
+    return sim_s, wall_s, len(rows), prefilled(rows), steps(worker_stats)
+
+
+def timed(exp, trace, run) -> Timing:
+    """Simulated seconds, wall seconds, requests, prefilled tokens and engine steps of ``run``."""
+    t0 = time.perf_counter()
+    rows, meta = simulate_run(exp, run, trace)
+    wall = time.perf_counter() - t0
+    return tally(rows, meta["sim_s"], wall, meta["worker_stats"])
+
+
+def timed_cluster(trace, hw, run) -> Timing:
     """Like :func:`timed` on a hardware variant that has no profile file (more workers)."""
-    wall = sim = 0.0
-    n = work = nsteps = 0
-    for run in runs:
-        cluster = SimCluster(trace, hw, make_policy(run.policy, np.random.default_rng(1)), np.random.default_rng(2), True)
-        t0 = time.perf_counter()
-        rows = cluster.run()
-        wall += time.perf_counter() - t0
-        sim += max(r["finish_s"] for r in rows)
-        n += len(rows)
-        work += prefilled(rows)
-        nsteps += steps(cluster.worker_stats())
-    return sim, wall, n, work, nsteps
+    cluster = SimCluster(trace, hw, make_policy(run.policy, np.random.default_rng(1)), np.random.default_rng(2), True)
+    t0 = time.perf_counter()
+    rows = cluster.run()
+    wall = time.perf_counter() - t0
+    return tally(rows, max(r["finish_s"] for r in rows), wall, cluster.worker_stats())
 
 
 def main() -> int:
@@ -91,7 +84,7 @@ def main() -> int:
     print(f"note2-20turn: {trace.num_requests} requests, policies {', '.join(r.policy for r in runs)}")
     per_policy = {}
     for run in runs:
-        best = min((timed(exp, trace, [run]) for _ in range(args.repeat)), key=lambda t: t[1])
+        best = min((timed(exp, trace, run) for _ in range(args.repeat)), key=lambda t: t[1])
         per_policy[run.policy] = best
         sim, wall = best[:2]
         print(f"  {run.policy:14s} {sim:7.1f} sim s in {wall:6.3f} wall s = {sim / wall:6.0f} sim s per wall s")
@@ -103,8 +96,8 @@ def main() -> int:
     wide_hw = dataclasses.replace(hw, workers=10 * hw.workers)
     reps = max(1, args.repeat - 1)  # tenfold runs take seconds each: best of two
     cases = {
-        f"same {hw.workers} workers": {r.policy: min((timed(big, big_trace, [r]) for _ in range(reps)), key=lambda t: t[1]) for r in runs},
-        f"{wide_hw.workers} workers": {r.policy: min((timed_cluster(big_trace, wide_hw, [r]) for _ in range(reps)), key=lambda t: t[1]) for r in runs},
+        f"same {hw.workers} workers": {r.policy: min((timed(big, big_trace, r) for _ in range(reps)), key=lambda t: t[1]) for r in runs},
+        f"{wide_hw.workers} workers": {r.policy: min((timed_cluster(big_trace, wide_hw, r) for _ in range(reps)), key=lambda t: t[1]) for r in runs},
     }
     print(f"tenfold conversations ({big_trace.num_requests} requests, x{big_trace.num_requests / trace.num_requests:.0f}):"
           " wall time x (engine steps x, prefilled tokens x)")

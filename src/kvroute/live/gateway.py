@@ -53,7 +53,6 @@ connections (``BaseProtocol.connection_made``), the gateway on its listening soc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import itertools
 import json
@@ -61,6 +60,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -1236,10 +1236,8 @@ def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
         gc.freeze()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            # a loop without signal support (Windows) raises NotImplementedError: Ctrl-C
-            # then stops the gateway through KeyboardInterrupt instead
-            with contextlib.suppress(NotImplementedError):
+        if sys.platform != "win32":  # asyncio's signal handlers are Unix-only; on Windows
+            for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C stops it via KeyboardInterrupt
                 loop.add_signal_handler(sig, stop.set)
         click.echo(
             f"kvroute gateway listening on {gw.url} (policy {gw.policy.spec}, "
