@@ -5,8 +5,14 @@ prefill chunks of ``q`` new tokens on top of ``c`` already-computed tokens. Its 
 
     step = (step_overhead + per_seq_overhead * seqs) * 1e-3
            + max(bytes / (bw * mem_efficiency), flops / (peak * compute_efficiency))
-    bytes = weight_bytes + kv_bytes_per_token * (context read by every sequence)
-    flops = 2 * params * tokens + 4 * layers * heads * head_dim * (query x context pairs)
+    bytes = read_bytes + kv_bytes_per_token * (context read by every sequence)
+    flops = 2 * body_params * tokens + 2 * head_params * seqs
+            + 4 * layers * heads * head_dim * (query x context pairs)
+
+``read_bytes`` is the body and the LM head (the embedding table is only looked up);
+the LM head's FLOPs are paid once per sequence (vLLM computes logits only at the
+positions it samples), the body's once per token. A model profile without ``vocab``
+counts every parameter as body, as the model did before the split.
 
 multiplied by ``share`` when several workers time-share one device. This is the one
 place latency comes from: the engine model never hard-codes a duration.
@@ -31,7 +37,8 @@ class StepTimeModel:
 
     weight_bytes: float
     kv_bytes_per_token: float
-    flops_per_token: float  # 2 x params
+    flops_per_token: float  # 2 x body params
+    head_flops_per_seq: float  # 2 x LM-head params
     attn_flops_per_pair: float  # 4 x layers x heads x head_dim
     bw: float  # effective bytes/s
     peak: float  # effective FLOP/s
@@ -42,9 +49,10 @@ class StepTimeModel:
     def from_hardware(cls, hw: Hardware) -> StepTimeModel:
         m, c = hw.model, hw.coefficients
         return cls(
-            weight_bytes=m.weight_bytes,
+            weight_bytes=m.read_bytes_per_step,
             kv_bytes_per_token=m.kv_bytes_per_token,
-            flops_per_token=2.0 * m.params,
+            flops_per_token=2.0 * m.body_params,
+            head_flops_per_seq=2.0 * m.head_params,
             attn_flops_per_pair=4.0 * m.layers * m.heads * m.head_dim,
             bw=hw.mem_bw_gbps * GBPS * c.mem_efficiency,
             peak=hw.tflops * TFLOP * c.compute_efficiency,
@@ -74,7 +82,8 @@ class StepTimeModel:
             ctx += c + q
             pairs += q * (c + q / 2.0)
         mem = (self.weight_bytes + self.kv_bytes_per_token * ctx) / self.bw
-        comp = (self.flops_per_token * tokens + self.attn_flops_per_pair * pairs) / self.peak
+        comp = (self.flops_per_token * tokens + self.head_flops_per_seq * seqs
+                + self.attn_flops_per_pair * pairs) / self.peak
         fixed = self.step_overhead_s + self.per_seq_overhead_s * seqs
         return share * (fixed + max(mem, comp))
 
@@ -91,7 +100,8 @@ class StepTimeModel:
         # both roofline terms are linear in the step index i: t_i = base + slope * i
         mem0 = (self.weight_bytes + self.kv_bytes_per_token * ctx0) / self.bw
         mem_slope = self.kv_bytes_per_token * n / self.bw
-        comp0 = (self.flops_per_token * n + self.attn_flops_per_pair * ctx0) / self.peak
+        per_decode = self.flops_per_token + self.head_flops_per_seq  # one token and one sampled position
+        comp0 = (per_decode * n + self.attn_flops_per_pair * ctx0) / self.peak
         comp_slope = self.attn_flops_per_pair * n / self.peak
         last = k - 1
         for t0, slope, o0, oslope in ((mem0, mem_slope, comp0, comp_slope), (comp0, comp_slope, mem0, mem_slope)):
@@ -112,7 +122,7 @@ class StepTimeModel:
                 return out.tolist()
         ctx = ctx0 + n * np.arange(k, dtype=np.float64)
         mem = (self.weight_bytes + self.kv_bytes_per_token * ctx) / self.bw
-        comp = (self.flops_per_token * n + self.attn_flops_per_pair * ctx) / self.peak
+        comp = (per_decode * n + self.attn_flops_per_pair * ctx) / self.peak
         return np.cumsum(share * (fixed + np.maximum(mem, comp))).tolist()
 
     def prefill_time(self, tokens: int, context: int = 0) -> float:
@@ -124,4 +134,5 @@ class StepTimeModel:
         if tokens <= 0:
             return 0.0
         pairs = tokens * (context + tokens / 2.0)
-        return (self.flops_per_token * tokens + self.attn_flops_per_pair * pairs) / self.peak
+        return (self.flops_per_token * tokens + self.head_flops_per_seq
+                + self.attn_flops_per_pair * pairs) / self.peak

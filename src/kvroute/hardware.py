@@ -40,10 +40,30 @@ class Model:
     kv_heads: int
     head_dim: int
     dtype_bytes: int
+    vocab: int = 0  # vocabulary size; 0 counts every parameter as a transformer-body weight
+    tied_embeddings: bool = False  # the LM head reuses the input embedding matrix
 
     @property
     def weight_bytes(self) -> float:
+        """Bytes the weights occupy in memory (what the KV cache cannot use)."""
         return self.params * self.dtype_bytes
+
+    @property
+    def head_params(self) -> float:
+        """The LM head (vocab x hidden): read every step, computed once per sequence."""
+        return float(self.vocab * self.hidden)
+
+    @property
+    def body_params(self) -> float:
+        """Parameters every token multiplies through: all but the input embedding and
+        the LM head (the embedding is a row lookup, the head runs on sampled positions)."""
+        return self.params - self.head_params * (1 if self.tied_embeddings else 2)
+
+    @property
+    def read_bytes_per_step(self) -> float:
+        """Weight bytes a step reads: the body and the LM head, not the embedding table
+        (a step reads only its tokens' rows of it)."""
+        return (self.body_params + self.head_params) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -136,6 +156,23 @@ def available_hardware(directory: Path | None = None) -> list[str]:
     return sorted(p.stem for p in d.glob("*.yaml") if p.stem not in skip)
 
 
+def _model(raw: dict) -> Model:
+    return Model(**{k: (float(v) if k == "params" else v) for k, v in raw.items()})
+
+
+def load_model(name: str, directory: Path | None = None) -> Model:
+    """A model shape from ``hardware/models.yaml``; ValueError listing the valid names."""
+    models = read_yaml((directory or hardware_dir()) / "models.yaml")
+    if name not in models:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(models))}")
+    return _model(models[name])
+
+
+def coefficient_values(entry: dict) -> dict:
+    """A ``coefficients.yaml`` entry without its provenance: what :class:`Coefficients` takes."""
+    return {k: v for k, v in entry.items() if k != "provenance"}
+
+
 @cache
 def _load(name: str, directory: str) -> Hardware:
     d = Path(directory)
@@ -147,8 +184,8 @@ def _load(name: str, directory: str) -> Hardware:
     coeffs = read_yaml(d / "coefficients.yaml")
     try:
         gpu = raw["gpu"]
-        model = Model(**{k: (float(v) if k == "params" else v) for k, v in models[raw["model"]].items()})
-        coef = Coefficients(**coeffs[raw["coefficients"]])
+        model = _model(models[raw["model"]])
+        coef = Coefficients(**coefficient_values(coeffs[raw["coefficients"]]))
         engine = Engine(**raw["engine"])
         if engine.dtype in DTYPE_BYTES:  # served in another dtype than the model's own
             model = replace(model, dtype_bytes=DTYPE_BYTES[engine.dtype])
