@@ -124,6 +124,72 @@ def merge(dirs: tuple[Path, ...], out: Path) -> None:
 
 
 @main.command()
+@click.option("--sim", "sims", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A merged simulation folder (summary.csv, requests.parquet); repeatable.")
+@click.option("--measured", "measured", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A measurement folder (summary.csv, requests.parquet); repeatable.")
+@click.option("--reported", type=click.Path(exists=True, file_okay=False, path_type=Path), default=Path("paper/reported"),
+              show_default=True, help="Folder of the published figures (*.csv).")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for summary.csv and published.csv.")
+def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path, out: Path) -> None:
+    """Every prediction beside its measurement (summary.csv) and published value (published.csv)."""
+    import pandas as pd
+
+    from kvroute.analysis.validation import ValidationError, headline, measured_rows, published_rows, read_reported
+    from kvroute.records import write_csv
+
+    def read(dirs: tuple[Path, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
+        summaries = [pd.read_csv(d / "summary.csv") for d in dirs]
+        reqs = [pd.read_parquet(d / "requests.parquet", columns=["experiment", "hardware", "policy", "view"])
+                for d in dirs if (d / "requests.parquet").is_file()]
+        return (pd.concat(summaries, ignore_index=True) if summaries else pd.DataFrame(),
+                pd.concat(reqs, ignore_index=True) if reqs else None)
+
+    sim, sim_req = read(sims)
+    meas, meas_req = read(measured)
+    try:
+        summary = measured_rows(sim, meas, sim_req, meas_req)
+        published = published_rows(sim, read_reported(reported))
+    except ValidationError as exc:
+        raise click.ClickException(str(exc)) from exc
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(summary, out / "summary.csv")
+    write_csv(published, out / "published.csv")
+    h = headline(summary)
+    click.echo(f"{len(summary)} measured rows, {len(published)} published rows; "
+               f"timing median |error| {h['timing_median_abs_rel_error']:.1%}, hit rate worst {h['hit_rate_max_points']:.1f} points")
+
+
+@main.command("fit-gpu")
+@click.argument("measurements", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="YAML file for the fitted families (hardware/coefficients.yaml entries, with provenance); OUT.csv gets every residual.")
+def fit_gpu(measurements: Path | None, out: Path) -> None:
+    """Fit the GPU families' coefficients to independent MEASUREMENTS (default: hardware/measurements/gpu.yaml)."""
+    import pandas as pd
+    import yaml
+
+    from kvroute.gpufit import coefficient_entries, default_measurements, fit_gpus
+    from kvroute.records import write_atomic
+
+    path = measurements or default_measurements()
+    try:
+        result = fit_gpus(path)
+    except (KeyError, ValueError) as exc:
+        raise click.ClickException(f"{path}: {exc}") from exc
+    entries = coefficient_entries(result)
+    text = yaml.safe_dump(entries, sort_keys=False, width=100)
+    table = pd.DataFrame(result.residuals)
+    write_atomic(out, lambda tmp: Path(tmp).write_text(text))
+    write_atomic(out.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))
+    for fam, c in result.coefficients.items():
+        click.echo(f"{fam}: " + ", ".join(f"{k} {v:.3g} ± {result.errors[fam][k]:.2g}" for k, v in c.items()))
+    cols = ["family", "observation", "measured", "predicted", "rel_error", "used"]
+    click.echo(table[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    click.echo(f"wrote {out} and {out.with_suffix('.csv')}")
+
+
+@main.command()
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("measured", type=click.Path(exists=True, path_type=Path))
 @click.option("--hardware", required=True, help="Hardware profile the records were measured on; its family's coefficients are fitted.")

@@ -1,0 +1,172 @@
+"""Predictions beside what they predict: ``results/validation/{summary,published}.csv``.
+
+``summary.csv`` puts each simulated (predicted) metric beside its measurement on real
+engines, one row per (experiment, hardware, policy, metric) that was measured; a
+production router's measured row is predicted by its kvroute counterpart
+(:func:`kvroute.policies.counterpart`). ``published.csv`` puts each published figure of
+the notes (``paper/reported/*.csv``) beside its prediction. Like for like: a simulated
+and a measured row stand side by side only when both routed with the same view (the
+records' ``view`` column); a mismatch is an error naming both.
+
+Columns: ``experiment, hardware, policy, metric, predicted, measured, measured_lo,
+measured_hi, rel_error, in_sample``. ``measured`` is the mean over rounds (or the
+published value), ``measured_lo``/``measured_hi`` its 95% interval over rounds (NaN with
+one round) or the published range; ``rel_error`` is ``predicted / measured - 1``, or, for
+a published range, the relative distance to its nearer end (0 inside); for a published
+change (``METRIC_change``, itself a ratio) it is the difference of the two changes. ``in_sample`` is
+true where the hardware family's coefficients were fitted to that experiment (their
+provenance's ``in_sample_for`` in ``hardware/coefficients.yaml``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvroute.analysis.stats import interval
+
+METRICS = ("ttft_mean_ms", "ttft_p90_ms", "later_ttft_mean_ms", "time_to_complete_s", "hit_rate", "imbalance")
+COLUMNS = ("experiment", "hardware", "policy", "metric", "predicted", "measured", "measured_lo", "measured_hi",
+           "rel_error", "in_sample")
+#: suffix of a published relative figure: ``METRIC_change`` of ``A vs B`` is A / B - 1
+CHANGE = "_change"
+
+
+class ValidationError(ValueError):
+    """Predicted and measured rows that are not the same experiment."""
+
+
+def in_sample_experiments(hardware: str) -> set[str]:
+    """Experiments the hardware family's coefficients were fitted to (their provenance says)."""
+    from kvroute.hardware import hardware_dir, load_hardware
+    from kvroute.yamlfile import read_yaml
+
+    family = load_hardware(hardware).coefficients_name
+    entry = read_yaml(hardware_dir() / "coefficients.yaml")[family]
+    return set((entry.get("provenance") or {}).get("in_sample_for") or ())
+
+
+def _rel(predicted: float, lo: float, hi: float | None = None, difference: bool = False) -> float:
+    """predicted / value - 1 (or predicted - value), to the nearer end of [lo, hi] if a range."""
+    if hi is not None and not np.isnan(hi) and hi != lo:
+        a, b = min(lo, hi), max(lo, hi)
+        if a <= predicted <= b:
+            return 0.0
+        lo = a if predicted < a else b
+    if difference:
+        return predicted - lo
+    return predicted / lo - 1 if lo else float("nan")
+
+
+def _views(requests: pd.DataFrame | None) -> dict[tuple[str, str, str], str]:
+    if requests is None or "view" not in requests:
+        return {}
+    v = requests.groupby(["experiment", "hardware", "policy"], sort=False)["view"].agg(lambda s: ",".join(sorted(set(s))))
+    return {k: str(x) for k, x in v.items()}
+
+
+def measured_rows(
+    sim: pd.DataFrame,
+    measured: pd.DataFrame,
+    sim_requests: pd.DataFrame | None = None,
+    measured_requests: pd.DataFrame | None = None,
+    counterpart: Callable[[str], str | None] | None = None,
+    in_sample: Callable[[str], set[str]] = in_sample_experiments,
+) -> pd.DataFrame:
+    """One row per measured (experiment, hardware, policy, metric) with its prediction.
+
+    Args:
+        sim, measured: summaries (one row per round) of the simulation and the measurement.
+        sim_requests, measured_requests: their records, to check both used the same view.
+        counterpart: production router spec -> the kvroute policy simulating it.
+    """
+    if sim.empty or measured.empty:
+        return pd.DataFrame(columns=list(COLUMNS))
+    if counterpart is None:
+        from kvroute.policies import counterpart
+    sim_view, meas_view = _views(sim_requests), _views(measured_requests)
+    rows = []
+    for (exp, hw, pol), m in measured.groupby(["experiment", "hardware", "policy"], sort=True):
+        sim_pol = counterpart(pol) or pol
+        s = sim[(sim["experiment"] == exp) & (sim["hardware"] == hw) & (sim["policy"] == sim_pol)]
+        if s.empty:
+            continue
+        mv, sv = meas_view.get((exp, hw, pol)), sim_view.get((exp, hw, sim_pol))
+        if mv and sv and mv != "peer" and mv != sv:
+            raise ValidationError(f"{exp} on {hw}: {pol} was measured with view {mv!r} but simulated ({sim_pol}) "
+                                  f"with view {sv!r}; set the experiment's `view` so both read the same")
+        fitted = exp in in_sample(hw)
+        for metric in METRICS:
+            if metric not in m or metric not in s:
+                continue
+            iv = interval(m[metric])
+            pred = float(s[metric].mean())
+            rows.append({"experiment": exp, "hardware": hw, "policy": pol, "metric": metric, "predicted": pred,
+                         "measured": iv.mean, "measured_lo": iv.lo, "measured_hi": iv.hi,
+                         "rel_error": _rel(pred, iv.mean), "in_sample": fitted})
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def _predicted(sim: pd.DataFrame, exp: str, hw: str, policy: str, metric: str) -> float:
+    if metric.endswith(CHANGE):
+        a, _, b = policy.partition(" vs ")
+        base = metric[: -len(CHANGE)]
+        return _predicted(sim, exp, hw, a.strip(), base) / _predicted(sim, exp, hw, b.strip(), base) - 1
+    s = sim[(sim["experiment"] == exp) & (sim["hardware"] == hw) & (sim["policy"] == policy)]
+    return float(s[metric].mean()) if len(s) and metric in s else float("nan")
+
+
+def published_rows(
+    sim: pd.DataFrame,
+    reported: pd.DataFrame,
+    in_sample: Callable[[str], set[str]] = in_sample_experiments,
+) -> pd.DataFrame:
+    """Every published figure of ``reported`` (``paper/reported/*.csv`` rows with a metric)
+    beside its prediction from ``sim``. An experiment ``*`` (a figure whose chat length the
+    original does not state) gives one row per simulated experiment of that note (named
+    after the reported file: ``note2.csv`` -> ``note2-*``) on that hardware."""
+    if sim.empty:
+        return pd.DataFrame(columns=list(COLUMNS))
+    rows = []
+    for r in reported[reported["metric"].notna()].itertuples(index=False):
+        if r.experiment == "*":
+            on_hw = sim.loc[sim["hardware"] == r.hardware, "experiment"].unique()
+            exps = sorted(e for e in on_hw if e.startswith(f"{r.note}-"))
+        else:
+            exps = [r.experiment]
+        hi = float(r.value_hi) if pd.notna(getattr(r, "value_hi", float("nan"))) else float("nan")
+        for exp in exps:
+            pred = _predicted(sim, exp, r.hardware, r.policy, r.metric)
+            if np.isnan(pred):
+                continue
+            lo = float(r.value)
+            rows.append({"experiment": exp, "hardware": r.hardware, "policy": r.policy, "metric": r.metric,
+                         "predicted": pred, "measured": lo if np.isnan(hi) else (lo + hi) / 2,
+                         "measured_lo": lo if not np.isnan(hi) else float("nan"), "measured_hi": hi,
+                         "rel_error": _rel(pred, lo, hi, difference=r.metric.endswith(CHANGE)),
+                         "in_sample": exp in in_sample(r.hardware)})
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def read_reported(directory: Path) -> pd.DataFrame:
+    """The published figures of every ``paper/reported/*.csv`` that has metric columns."""
+    frames = []
+    for f in sorted(Path(directory).glob("*.csv")):
+        df = pd.read_csv(f, dtype={"experiment": str, "hardware": str, "policy": str})
+        if {"experiment", "hardware", "policy", "metric", "value"} <= set(df.columns):
+            frames.append(df.assign(note=f.stem))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["experiment", "hardware", "policy", "metric", "value", "note"])
+
+
+def headline(summary: pd.DataFrame) -> dict[str, float]:
+    """The issue's measures of fit over the measured rows: median |relative error| of the
+    four timing metrics, and the largest hit-rate miss in points."""
+    timing = summary[summary["metric"].isin(["ttft_mean_ms", "ttft_p90_ms", "later_ttft_mean_ms", "time_to_complete_s"])]
+    hit = summary[summary["metric"] == "hit_rate"]
+    return {
+        "timing_median_abs_rel_error": float(timing["rel_error"].abs().median()) if len(timing) else float("nan"),
+        "hit_rate_max_points": float((100 * (hit["predicted"] - hit["measured"]).abs()).max()) if len(hit) else float("nan"),
+    }
