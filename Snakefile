@@ -14,12 +14,13 @@ include: "workflow/rules/workload.smk"
 include: "workflow/rules/simulate.smk"
 if is_measure_enabled():
     include: "workflow/rules/measure.smk"
+include: "workflow/rules/validate.smk"
 include: "workflow/rules/analyse.smk"
 include: "workflow/rules/notes.smk"
 include: "workflow/rules/manifest.smk"
 
 
-localrules: paper, sim, measure, figures, tables, merge, manifest
+localrules: paper, sim, measure, figures, tables, merge, manifest, validation
 
 
 rule paper:  # the default: every note and the manifest
@@ -31,6 +32,9 @@ rule sim:  # every simulation, merged
 
 rule measure:  # every live measurement (none while measure.enabled is false)
     input: get_measure_targets(),
+
+rule validation:  # every prediction beside its measurement and published value
+    input: get_validation_targets(),
 
 rule figures:
     input: get_figure_targets(),

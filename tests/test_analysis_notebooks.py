@@ -52,8 +52,10 @@ OUTPUTS = {
                                                          "strategy_comparison") for e in ("pdf", "png")],
                  "tables/kv-reuse/results.tex", "tables/kv-reuse/claims.tex", "tables/kv-reuse/miss.tex",
                  "numbers/kv-reuse.tex"],
-    "note2": [*[f"figures/note2/{f}.{e}" for f in ("table2", "hit_by_turn", "large_goodput") for e in ("pdf", "png")],
-              *[f"tables/note2/{t}.tex" for t in ("table1", "table2", "least_loaded", "table3", "large", "cpu")],
+    "note2": [*[f"figures/note2/{f}.{e}" for f in ("table2", "hit_by_turn", "large_goodput", "validation")
+                for e in ("pdf", "png")],
+              *[f"tables/note2/{t}.tex" for t in ("table1", "table2", "least_loaded", "table3", "large", "cpu",
+                                                  "validation", "validation_cpu")],
               "numbers/note2.tex"],
     "tn4": [*[f"figures/tn4/{f}.{e}" for f in ("closed_vs_sim", "per_turn", "note2_shape") for e in ("pdf", "png")],
             "tables/tn4/sweep.tex", "numbers/tn4.tex"],
@@ -91,7 +93,21 @@ def sample_results(tmp_path_factory) -> Path:
             _simulate(name, spec, root / "sim" / name, cfg)
     run_sweep(root / "sim" / "tn4-arithmetic", workers=(2, 4), system_words=(0, 600),
               workload={"chats": 8, "turns": 4})
+    _validate(root)
     return root
+
+
+def _validate(root: Path) -> None:
+    """results/validation/ as the workflow's `kvroute validate` writes it."""
+    from click.testing import CliRunner
+
+    from kvroute.cli import main
+
+    sims = [a for d in sorted((root / "sim").iterdir()) if (d / "summary.csv").is_file() for a in ("--sim", str(d))]
+    measured = [a for d in sorted((root / "measure").glob("*/*")) for a in ("--measured", str(d))]
+    res = CliRunner().invoke(main, ["validate", *sims, *measured, "--reported", str(ROOT / "paper/reported"),
+                                    "--out", str(root / "validation")])
+    assert res.exit_code == 0, res.output
 
 
 @pytest.fixture(scope="session")

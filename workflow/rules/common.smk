@@ -345,6 +345,27 @@ def get_measure_hardware_files(wildcards):
     return [f"hardware/{wildcards.mhw}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"]
 
 
+# ------------------------------------------------------------------ validate
+
+VALIDATION_SOURCES = _sources("src/kvroute/analysis/validation.py", "src/kvroute/policies/__init__.py")
+
+
+def get_validation_inputs():
+    """The merged simulations and measurements (requests, summary pairs), the published
+    figures and the coefficients whose provenance says what is in sample."""
+    return {
+        "sim": [f for name in get_experiments() for f in sim_result(name)],
+        "measure": [f for exp, hw in get_measure_runs() for f in measure_result(exp, hw)],
+        "reported": sorted(glob.glob("paper/reported/*.csv")),
+        "coefficients": "hardware/coefficients.yaml",
+        "code": VALIDATION_SOURCES,
+    }
+
+
+def get_validation_targets():
+    return [f"{RESULTS}/validation/summary.csv", f"{RESULTS}/validation/published.csv"]
+
+
 # ------------------------------------------------------------------ analyse
 
 
@@ -458,4 +479,5 @@ def get_table_targets():
 
 
 def get_paper_targets():
-    return [f"{RESULTS}/paper/{n['name']}.pdf" for n in config["notes"]] + [f"{RESULTS}/manifest.json"]
+    return ([f"{RESULTS}/paper/{n['name']}.pdf" for n in config["notes"]] + [f"{RESULTS}/manifest.json"]
+            + get_validation_targets())

@@ -214,3 +214,56 @@ def locality_and_load(summary: pd.DataFrame) -> pd.DataFrame:
     out["piled"] = out["imbalance"] >= PILED_IMBALANCE
     out["spread"] = out["imbalance"] < SPREAD_IMBALANCE
     return out
+
+
+#: how the validation tables name the metrics of results/validation/*.csv
+METRIC_LABELS = {
+    "time_to_complete_s": ("time to complete", "s", 1), "later_ttft_mean_ms": ("later-turn TTFT", "ms", 0),
+    "ttft_mean_ms": ("mean TTFT", "ms", 0), "ttft_p90_ms": ("p90 TTFT", "ms", 0), "hit_rate": ("hit rate", "%", 1),
+    "imbalance": ("imbalance", "", 2), "time_to_complete_s_change": ("time to complete, change", "%", 1),
+    "ttft_p90_ms_change": ("p90 TTFT, change", "%", 0),
+}
+#: the experiments' short names in the validation table
+EXPERIMENT_LABELS = {"note2-6turn": "6-turn", "note2-20turn": "20-turn", "note2-a100": "A100, 6-turn", "note2-cpu": "CPU"}
+
+
+def in_points(metric: str) -> bool:
+    """Fractions (hit rates, relative changes) are compared in percentage points."""
+    return metric == "hit_rate" or metric.endswith("_change")
+
+
+def error_points(row) -> float:
+    """A validation row's error as the table shows it: percentage points for fractions
+    (to the nearer end of a published range, 0 inside), else the relative error in percent."""
+    if not in_points(row.metric):
+        return 100 * row.rel_error
+    lo, hi = row.measured_lo, row.measured_hi
+    if pd.notna(lo) and pd.notna(hi) and lo <= row.predicted <= hi:
+        return 0.0
+    ref = row.measured if pd.isna(lo) else (lo if row.predicted < lo else hi)
+    return 100 * (row.predicted - ref)
+
+
+def validation_table(rows: pd.DataFrame, arrangement: dict[tuple[str, str], str] | None = None) -> pd.DataFrame:
+    """``results/validation/published.csv`` (or ``summary.csv``) as LaTeX cells: experiment,
+    policy, measure, published/measured (a range where published as one), predicted, error."""
+    from kvroute.analysis.tables import policy_tex
+
+    out = []
+    for r in rows.itertuples(index=False):
+        label, unit, d = METRIC_LABELS.get(r.metric, (r.metric, "", 2))
+        k = 100 if unit == "%" else 1
+        if pd.notna(r.measured_lo) and pd.notna(r.measured_hi) and r.measured_lo != r.measured_hi:
+            given = Tex(rf"\numrange{{{fmt(k * r.measured_lo, d)}}}{{{fmt(k * r.measured_hi, d)}}}")
+        else:
+            given = num(k * r.measured, d)
+        err = error_points(r)
+        pol = (arrangement or {}).get((r.hardware, r.policy))
+        a, sep, b = str(r.policy).partition(" vs ")
+        shown = Tex(pol) if pol else (policy_tex(a) + Tex(" vs ") + policy_tex(b) if sep else policy_tex(r.policy))
+        out.append({"experiment": EXPERIMENT_LABELS.get(r.experiment, r.experiment), "policy": shown,
+                    "measure": f"{label} ({unit})" if unit else label, "given": given,
+                    "predicted": num(k * r.predicted, d),
+                    "error": Tex(rf"\num{{{fmt(err, 0 if not in_points(r.metric) else 1)}}}"
+                                 + (r"\,pt" if in_points(r.metric) else r"\%"))})
+    return pd.DataFrame(out)

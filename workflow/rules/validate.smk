@@ -1,0 +1,27 @@
+# Stage 3b, validate: every prediction beside what it predicts (`kvroute validate`):
+# results/validation/summary.csv (simulated against measured, like for like: the same
+# policy, or a production router's kvroute counterpart, and the same view) and
+# results/validation/published.csv (simulated against every published figure of
+# paper/reported/). Reruns when a merged simulation, a measurement, a published file or
+# the coefficients (whose provenance says what is in sample) change.
+
+
+rule validate:
+    input:
+        **get_validation_inputs(),
+    output:
+        summary=f"{RESULTS}/validation/summary.csv",
+        published=f"{RESULTS}/validation/published.csv",
+    params:
+        sims=lambda wildcards, input: " ".join(f"--sim {d}" for d in sorted({str(Path(p).parent) for p in input.sim})),
+        measured=lambda wildcards, input: " ".join(f"--measured {d}" for d in sorted({str(Path(p).parent) for p in input.measure})),
+        reported=lambda wildcards, input: str(Path(input.reported[0]).parent),
+        out=output_dir("summary"),
+    log:
+        f"{RESULTS}/logs/validate.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/validate.tsv"
+    conda:
+        "../../envs/analysis.yaml"
+    shell:
+        "kvroute validate {params.sims} {params.measured} --reported {params.reported:q} --out {params.out:q} > {log:q} 2>&1"
