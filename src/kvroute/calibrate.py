@@ -92,15 +92,14 @@ class Fit:
 
 def _simulate_stats(exp: Experiment, hw: Hardware, runs: list[Run]) -> pd.DataFrame:
     from kvroute.sim.cluster import SimCluster
-    from kvroute.sim.run import load_trace, run_rng
+    from kvroute.sim.run import common_rng, load_trace, policy_rng
     from kvroute.policies import make_policy
 
     frames = []
     for run in runs:
-        rng = run_rng(exp, run)
-        policy = make_policy(run.policy, np.random.default_rng(rng.integers(2**63)))
+        policy = make_policy(run.policy, policy_rng(exp, run))
         exact = policy.default_exact if exp.view == "auto" else exp.view == "exact"
-        rows = SimCluster(load_trace(exp, run.round), hw, policy, rng, exact).run()
+        rows = SimCluster(load_trace(exp, run.round), hw, policy, common_rng(exp.seed, run.round), exact).run()
         frames.append(pd.DataFrame(rows).assign(policy=run.policy))
     return timing_stats(pd.concat(frames, ignore_index=True))
 

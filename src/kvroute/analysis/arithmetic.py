@@ -309,6 +309,7 @@ def run_sweep(
     """
     from kvroute.policies import make_policy
     from kvroute.sim.cluster import SimCluster
+    from kvroute.sim.run import common_rng
     from kvroute.workload import generate
 
     wl = dict(SWEEP_WORKLOAD, **(workload or {}))
@@ -328,9 +329,9 @@ def run_sweep(
             B = hw.engine.block_size
             for spec in policies:
                 rng = np.random.default_rng([seed, si, n, POLICIES.index(spec) if spec in POLICIES else 99])
-                policy = make_policy(spec, np.random.default_rng(rng.integers(2**63)))
+                policy = make_policy(spec, rng)  # its own stream; the jitter is common to (seed, S)
                 t0 = time.perf_counter()
-                run_rows = SimCluster(trace, hw, policy, rng, policy.default_exact).run()
+                run_rows = SimCluster(trace, hw, policy, common_rng(seed, si), policy.default_exact).run()
                 wall = time.perf_counter() - t0
                 common = {"source": "sim", "experiment": EXPERIMENT, "hardware": hw.name, "policy": spec,
                           "round": si, "view": "exact" if policy.default_exact else "approx", "seed": seed}

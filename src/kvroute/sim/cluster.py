@@ -13,7 +13,7 @@ Only this module knows SimPy. Engines (``kvroute.sim.engine``) and policies
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +86,25 @@ class WorkerDriver:
             first, finished = eng.commit(plan, steps, start)
             for r in finished:
                 self.cluster.finished(self, r)
+
+
+def api_delays(trace: Trace, lo: float, hi: float, common: np.random.Generator) -> list[list[float]]:
+    """Every request's API-server delay, ``[conversation index][turn]``: ``lo + (hi - lo) * u``.
+
+    One uniform ``u`` per request, drawn from ``common`` in trace order (conversation by
+    conversation, turn by turn) in one numpy call. The draw belongs to the request, not
+    to the order in which a policy's run happens to route it: two policies that route
+    alike wait alike, and one that routes differently still gives each request the
+    same delay (common random numbers).
+    """
+    counts = [len(c.turns) for c in trace.conversations]
+    flat = (lo + (hi - lo) * common.random(sum(counts))).tolist()
+    out: list[list[float]] = []
+    start = 0
+    for n in counts:
+        out.append(flat[start : start + n])
+        start += n
+    return out
 
 
 @dataclass(slots=True)
@@ -175,14 +194,16 @@ class SimCluster:
         trace: Trace,
         hw: Hardware,
         policy: Policy,
-        rng: np.random.Generator,
+        common: np.random.Generator,
         exact: bool,
     ) -> None:
+        """``common`` is the round's common stream (``kvroute.sim.run.common_rng``): not
+        the policy's, so that every policy run on ``trace`` sees the same draws. It is
+        read once, here, in trace order; nothing draws from it while the run routes."""
         self.env = simpy.Environment()
         self.trace = trace
         self.hw = hw
         self.policy = policy
-        self.rng = rng
         self.model = StepTimeModel.from_hardware(hw)
         self.workers = hw.worker_names
         self.engines = [
@@ -202,9 +223,10 @@ class SimCluster:
         self.rows: list[dict] = []
         self._next_rid = 0
         c = hw.coefficients
-        self._api_lo = max(0.0, c.api_overhead_ms - c.api_jitter_ms) * 1e-3
-        self._api_hi = (c.api_overhead_ms + c.api_jitter_ms) * 1e-3
-        self._api_draws: Iterator[float] = iter(())
+        lo = max(0.0, c.api_overhead_ms - c.api_jitter_ms) * 1e-3
+        hi = (c.api_overhead_ms + c.api_jitter_ms) * 1e-3
+        #: API-server delay of every request, ``[conversation index][turn]``, in seconds
+        self.api_delay_s = api_delays(trace, lo, hi, common)
 
     # -- device sharing -----------------------------------------------------------
     def device_load_changed(self, driver: WorkerDriver) -> None:
@@ -218,7 +240,11 @@ class SimCluster:
                 d.wake()
 
     # -- routing ------------------------------------------------------------------
-    def route(self, conv: Conversation, turn: int, stream: ConversationStream, prompt: int, output: int) -> simpy.Event:
+    def route(
+        self, conv: Conversation, index: int, turn: int, stream: ConversationStream, prompt: int, output: int
+    ) -> simpy.Event:
+        """Route turn ``turn`` of conversation ``index`` of the trace (``conv``); the
+        returned event fires when its reply has finished."""
         env = self.env
         rid = self._next_rid
         self._next_rid += 1
@@ -236,18 +262,9 @@ class SimCluster:
         done = env.event()
         self.pending[rid] = Pending(conv, turn, i, env.now, done)
         ereq = EngineRequest(rid, prompt, output, hashes)
-        api = env.timeout(self._api_delay())
+        api = env.timeout(self.api_delay_s[index][turn])
         api.callbacks.append(lambda _ev: self._deliver(i, ereq))  # cheaper than a process
         return done
-
-    def _api_delay(self) -> float:
-        """One request's API-server overhead. Drawn in batches: the same values as one
-        draw per request (nothing else draws from ``rng``), a numpy call per thousand."""
-        delay = next(self._api_draws, None)
-        if delay is None:
-            self._api_draws = iter(self.rng.uniform(self._api_lo, self._api_hi, 1024).tolist())
-            delay = next(self._api_draws)
-        return delay
 
     def _deliver(self, i: int, ereq: EngineRequest) -> None:
         """The API server hands the request to the engine's queue."""
@@ -289,7 +306,7 @@ class SimCluster:
             prompt = stream.length
             output = max(1, turn.output_tokens)
             stream.add_assistant(index, k, output)
-            yield self.route(conv, k, stream, prompt, output)
+            yield self.route(conv, index, k, stream, prompt, output)
 
     def _closed_slot(self, queue: list[tuple[int, Conversation]]):
         while queue:

@@ -1,9 +1,21 @@
 """Run an experiment's simulations and write the records and summary.
 
-Seeds: round ``r`` of an experiment with seed ``s`` draws its workload from seed
-``(s, r)`` (the same trace for every policy and hardware of that round, so policies
-are compared on identical traffic) and its jitter and policy randomness from
-``(s, r, hardware, policy)``. Same file and seed, byte-identical records.
+Seeds follow one rule, common random numbers: within a round, every draw that is not
+a policy's own decision is the same for every policy and hardware, and belongs to a
+request rather than to the order a policy routes in, so a difference between two
+policies' records is the policies' doing. Round ``r`` of an experiment with seed
+``s`` draws
+
+- its workload from :func:`trace_seed` ``(s, r)``: the same trace for every run of
+  the round;
+- its common stream from :func:`common_rng` ``(s, r)``: the API-server jitter, one
+  uniform per (conversation, turn) drawn in trace order before the run starts
+  (``kvroute.sim.cluster.api_delays``); any new non-policy randomness belongs here;
+- the policy's own randomness (``random``, tie-breaks) from :func:`policy_rng`
+  ``(s, r, hardware, policy)``. That stream stays per policy on purpose: what a
+  policy draws is part of the policy, and two specs that draw differently should.
+
+Same file and seed, byte-identical records.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ def _crc(text: str) -> int:
 
 
 def trace_seed(seed: int, round_: int) -> int:
+    """The seed of round ``round_``'s workload."""
     return int(np.random.SeedSequence([seed, round_]).generate_state(1)[0])
 
 
@@ -46,17 +59,24 @@ def load_trace(exp: Experiment, round_: int) -> Trace:
     return generate(wl["generator"], trace_seed(exp.seed, round_), **wl.get("params", {}))
 
 
-def run_rng(exp: Experiment, run: Run) -> np.random.Generator:
+def common_rng(seed: int, round_: int) -> np.random.Generator:
+    """Round ``round_``'s common random numbers: no hardware, no policy in the seed.
+
+    The tag keeps the stream apart from the workload's, which is seeded by ``(seed, round_)`` too."""
+    return np.random.default_rng([seed, round_, _crc("common")])
+
+
+def policy_rng(exp: Experiment, run: Run) -> np.random.Generator:
+    """The policy's own stream: seeded per (seed, round, hardware, policy)."""
     return np.random.default_rng([exp.seed, run.round, _crc(run.hardware), _crc(run.policy)])
 
 
 def simulate_run(exp: Experiment, run: Run, trace: Trace) -> tuple[list[dict], dict]:
     """Simulate one run; returns its record rows and run metadata."""
     hw = load_hardware(run.hardware)
-    rng = run_rng(exp, run)
-    policy = make_policy(run.policy, np.random.default_rng(rng.integers(2**63)))
+    policy = make_policy(run.policy, policy_rng(exp, run))
     exact = policy.default_exact if exp.view == "auto" else exp.view == "exact"
-    cluster = SimCluster(trace, hw, policy, rng, exact)
+    cluster = SimCluster(trace, hw, policy, common_rng(exp.seed, run.round), exact)
     t0 = time.perf_counter()
     rows = cluster.run()
     wall = time.perf_counter() - t0

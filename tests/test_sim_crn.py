@@ -1,0 +1,91 @@
+"""Common random numbers: within a round every policy sees the same draws, request by request."""
+
+import dataclasses
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from kvroute.experiment import load_experiment
+from kvroute.hardware import load_hardware
+from kvroute.policies import make_policy
+from kvroute.sim.cluster import SimCluster
+from kvroute.sim.run import common_rng, simulate_experiment
+from kvroute.workload import generate
+
+#: open-loop traffic that queues on a6000x4, so TTFTs depend on every arrival's timing
+WORKLOAD = {"generator": "sharegpt_like", "params": {"conversations": 120, "rate_per_s": 6.0}}
+
+
+def _records(tmp_path, policies):
+    raw = {"name": "crn", "seed": 11, "rounds": 1, "workload": WORKLOAD,
+           "runs": [{"hardware": "a6000x4", "policies": policies}]}
+    path = tmp_path / "crn.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    simulate_experiment(load_experiment(path), tmp_path / "o")
+    df = pd.read_parquet(tmp_path / "o/requests.parquet")
+    return [df[df.policy == p].sort_values(["conversation", "turn"]).reset_index(drop=True) for p in policies]
+
+
+def test_policies_that_route_alike_give_identical_ttfts(tmp_path):
+    """A threshold no queue reaches makes hybrid_sticky route as sticky; then every
+    timing must be equal, bit for bit (before the jitter was common, ~all TTFTs differed)."""
+    sticky, hybrid = _records(tmp_path, ["sticky", "hybrid_sticky:threshold_ms=1000000000"])
+    assert len(sticky) == len(hybrid) > 300
+    assert sticky[["conversation", "turn", "worker"]].equals(hybrid[["conversation", "turn", "worker"]])
+    assert sticky.queue_ms.max() > 0, "the test needs queueing: then any timing difference compounds"
+    for col in ["ttft_ms", "arrival_s", "e2e_ms", "cached_tokens"]:
+        assert sticky[col].tolist() == hybrid[col].tolist(), col
+
+
+class _Recording(SimCluster):
+    """Records each request's router-to-engine delay as the simulation applied it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.delays: dict[tuple[str, int], float] = {}
+
+    def _deliver(self, i, ereq):
+        p = self.pending[ereq.rid]
+        self.delays[(p.conversation.id, p.turn)] = self.env.now - p.arrival_s
+        super()._deliver(i, ereq)
+
+
+def test_a_request_gets_the_same_api_delay_under_every_policy():
+    """round_robin and kv_aware route differently, so they route requests in a different
+    order; each request still waits the same API-server delay under both."""
+    hw = load_hardware("a6000x4")
+    trace = generate("note2", 5, chats=24, turns=4, system_words=300, user_words=60, reply_tokens=32, ramp_s=2.0)
+    runs = {}
+    for spec in ["round_robin", "kv_aware"]:
+        cluster = _Recording(trace, hw, make_policy(spec, np.random.default_rng(0)), common_rng(5, 0), True)
+        rows = cluster.run()
+        runs[spec] = (cluster, {(r["conversation"], r["turn"]): r["worker"] for r in rows})
+    (a, workers_a), (b, workers_b) = runs["round_robin"], runs["kv_aware"]
+    assert sum(workers_a[k] != workers_b[k] for k in workers_a) > len(workers_a) / 4, "the policies must disagree"
+    assert a.delays.keys() == b.delays.keys() and len(a.delays) == 24 * 4
+    c = hw.coefficients
+    lo, hi = (c.api_overhead_ms - c.api_jitter_ms) * 1e-3, (c.api_overhead_ms + c.api_jitter_ms) * 1e-3
+    assert lo < hi, "the profile needs jitter for the test to mean anything"
+    for i, conv in enumerate(trace.conversations):
+        for k in range(len(conv.turns)):
+            drawn = a.api_delay_s[i][k]
+            assert b.api_delay_s[i][k] == drawn and lo <= drawn <= hi
+            # applied as drawn (clock arithmetic at different arrival times rounds differently)
+            assert a.delays[(conv.id, k)] == pytest.approx(drawn, abs=1e-12)
+            assert b.delays[(conv.id, k)] == pytest.approx(drawn, abs=1e-12)
+    assert len({round(d, 9) for d in a.delays.values()}) > len(a.delays) / 2, "delays should vary by request"
+
+
+def test_common_draws_do_not_depend_on_the_hardware_or_a_new_round():
+    """Another profile scales the same uniforms into its own range; another round draws anew."""
+    trace = generate("note2", 2, chats=4, turns=3)
+    hw = load_hardware("a6000x4")
+    wide = dataclasses.replace(hw, coefficients=dataclasses.replace(hw.coefficients, api_overhead_ms=10.0, api_jitter_ms=10.0))
+    policy = make_policy("round_robin", np.random.default_rng(0))
+    u = np.array(SimCluster(trace, wide, policy, common_rng(2, 0), True).api_delay_s) / 20e-3
+    c = hw.coefficients
+    lo, hi = (c.api_overhead_ms - c.api_jitter_ms) * 1e-3, (c.api_overhead_ms + c.api_jitter_ms) * 1e-3
+    assert np.array(SimCluster(trace, hw, policy, common_rng(2, 0), True).api_delay_s) == pytest.approx(lo + (hi - lo) * u)
+    assert SimCluster(trace, hw, policy, common_rng(2, 1), True).api_delay_s != SimCluster(trace, hw, policy, common_rng(2, 0), True).api_delay_s
