@@ -29,6 +29,7 @@ from kvroute.policies.kv_aware import KvAwarePolicy
 from kvroute.policies.loadaware import LoadAwarePolicy
 from kvroute.policies.sglang import PrefixApproxPolicy
 from kvroute.policies.sticky import HashRing, HybridStickyPolicy, StickyPolicy
+from kvroute.policies.vllm_router import ConsistentHashPolicy, VllmCacheAwarePolicy
 
 
 class PolicyName(StrEnum):
@@ -44,6 +45,8 @@ class PolicyName(StrEnum):
     PREFIX_APPROX = "prefix_approx"
     DYNAMO = "dynamo"
     LOADAWARE = "loadaware"
+    VLLM_CACHE_AWARE = "vllm_cache_aware"
+    CONSISTENT_HASH = "consistent_hash"
 
 
 POLICIES: Mapping[PolicyName, type[Policy]] = MappingProxyType(
@@ -58,6 +61,8 @@ POLICIES: Mapping[PolicyName, type[Policy]] = MappingProxyType(
         PolicyName.PREFIX_APPROX: PrefixApproxPolicy,
         PolicyName.DYNAMO: DynamoPolicy,
         PolicyName.LOADAWARE: LoadAwarePolicy,
+        PolicyName.VLLM_CACHE_AWARE: VllmCacheAwarePolicy,
+        PolicyName.CONSISTENT_HASH: ConsistentHashPolicy,
     }
 )
 
@@ -115,6 +120,7 @@ __all__ = [
     "POLICIES",
     "POLICY_NAMES",
     "ClusterView",
+    "ConsistentHashPolicy",
     "CostAwarePolicy",
     "DynamoPolicy",
     "HashRing",
@@ -130,6 +136,7 @@ __all__ = [
     "RoundRobinPolicy",
     "RouteRequest",
     "StickyPolicy",
+    "VllmCacheAwarePolicy",
     "least_loaded",
     "make_policy",
     "parse_spec",
