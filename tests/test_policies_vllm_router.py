@@ -1,15 +1,18 @@
-"""vllm-router's cache_aware and consistent_hash as kvroute policies.
-Defaults are pinned to vllm-router's source (vllm-project/router)."""
+"""vllm-router's cache_aware and consistent_hash as kvroute policies, and the production
+routers' counterparts. Defaults are pinned to vllm-router's source (vllm-project/router)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_policies import FakeView, names, policy, req
 
+from kvroute.live.peers import PEER_SPECS
+from kvroute.policies import COUNTERPARTS, POLICY_NAMES, counterpart, make_policy
 from kvroute.policies.vllm_router import VLLM_ROUTER_VNODES, ConsistentHashPolicy
 
 # ---------------------------------------------------------------- defaults, pinned to the source
@@ -115,3 +118,30 @@ def test_consistent_hash_spreads_sessions_over_the_workers(n):
 
 # When a worker goes down only its sessions move, and they move back when it returns:
 # tests/test_policies.py::test_sticky_moves_only_the_down_workers_sessions runs it for both.
+
+
+# ---------------------------------------------------------------- counterparts
+
+
+def test_every_production_router_spec_has_a_counterpart_entry_naming_a_policy():
+    assert set(COUNTERPARTS) == set(PEER_SPECS)
+    for spec, cp in COUNTERPARTS.items():
+        assert counterpart(spec) == cp
+        if cp is not None:
+            assert make_policy(cp, np.random.default_rng(0)).name == cp
+    assert counterpart("vllm_router:cache_aware") == "vllm_cache_aware"
+    assert counterpart("vllm_router:consistent_hash") == "consistent_hash"
+    assert counterpart("sglang_router:cache_aware") == "vllm_cache_aware"
+    assert counterpart(" vllm_router : round_robin ") == "round_robin"
+    assert counterpart("sglang_router:random") == "random"
+    assert counterpart("vllm_router:power_of_two") is None
+
+
+@pytest.mark.parametrize("spec", [*POLICY_NAMES, "hybrid_sticky:threshold_ms=5000"])
+def test_a_kvroute_policy_has_no_counterpart(spec):
+    assert counterpart(spec) is None
+
+
+def test_an_unknown_router_policy_is_an_error_naming_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown policy 'sticky' of vllm_router.*vllm_router:consistent_hash"):
+        counterpart("vllm_router:sticky")
