@@ -486,10 +486,11 @@ def test_bad_requests_get_400_naming_the_problem():
     run(body())
 
 
-def test_sticky_keeps_each_session_on_one_worker_and_spreads_sessions():
+@pytest.mark.parametrize("policy", ["sticky", "consistent_hash"])
+def test_sticky_keeps_each_session_on_one_worker_and_spreads_sessions(policy):
     async def body():
         bs = [await Backend(f"b{i}").start() for i in range(3)]
-        gw = await started(bs, "sticky")
+        gw = await started(bs, policy)
         try:
             async with aiohttp.ClientSession() as c:
                 where = defaultdict(set)
@@ -515,7 +516,8 @@ def test_sticky_keeps_each_session_on_one_worker_and_spreads_sessions():
     run(body())
 
 
-@pytest.mark.parametrize("policy", ["kv_aware", "prefix_approx", "dynamo:overlap_weight=10", "cost_aware:alpha=0"])
+@pytest.mark.parametrize("policy", ["kv_aware", "prefix_approx", "vllm_cache_aware", "dynamo:overlap_weight=10",
+                                    "cost_aware:alpha=0"])
 def test_cache_aware_policies_keep_a_conversation_on_one_worker(policy):
     """No session header: only the approximate prefix index can keep the turns together.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 
 import pandas as pd
 import pytest
@@ -218,3 +219,49 @@ def test_measure_without_the_routers_environment_stops_before_engines(tmp_path, 
                                     "--out", str(tmp_path / "o")])
     assert res.exit_code != 0 and "make routers" in res.output
     assert not (tmp_path / "o" / "engines").exists()
+
+
+async def _sessions_per_worker(url: str, requests: int = 8) -> list[int]:
+    """One new chat at a time, each text sharing no prefix with the others (every one a
+    cache miss) and longer than the last: how many land on each worker, largest first."""
+    import aiohttp
+
+    from kvroute.hardware import load_hardware
+    from kvroute.live.engines import served_model_name
+    from kvroute.live.loadgen import WORKER_FIELD
+
+    where = []
+    async with aiohttp.ClientSession() as c:
+        for i in range(requests):
+            body = {"model": served_model_name(load_hardware("cpu")), "max_tokens": 4,
+                    "messages": [{"role": "user", "content": f"{chr(ord('a') + i)} " * (300 + 200 * i)}]}
+            async with c.post(url + "/v1/chat/completions", json=body, headers={"X-Session-ID": f"s{i}"}) as r:
+                assert r.status == 200
+                where.append((await r.json())[WORKER_FIELD])
+    return sorted(Counter(where).values(), reverse=True)
+
+
+@needs_routers
+@pytest.mark.parametrize("spec", ["sglang_router:cache_aware", "vllm_router:cache_aware"])
+def test_cache_aware_counterpart_sends_misses_where_its_router_does(spec, engines, tmp_path):
+    """On a miss both routers take the least loaded worker (every one idle here, so the
+    same one each time), not the smallest tree, which would alternate: the counterpart
+    must do the same, and prefix_approx (older SGLang source) must not."""
+    from kvroute.live.gateway import Gateway
+    from kvroute.live.peers import running_peer
+    from kvroute.policies import counterpart
+
+    async def through_gateway(policy: str) -> list[int]:
+        gw = Gateway(list(zip(engines.names, engines.urls)), policy)
+        await gw.start()
+        try:
+            return await _sessions_per_worker(gw.url)
+        finally:
+            await gw.stop()
+
+    engines.reset_prefix_cache()
+    with running_peer(spec, engines.urls, log_path=tmp_path / "router.log") as url:
+        peer = asyncio.run(_sessions_per_worker(url))
+    assert peer == [8]
+    assert asyncio.run(through_gateway(counterpart(spec))) == peer
+    assert asyncio.run(through_gateway("prefix_approx")) == [4, 4]

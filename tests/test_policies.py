@@ -212,19 +212,17 @@ PINNED_RING = ["w3", "w3", "w0", "w1", "w0", "w0", "w0", "w3"]
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(2, 8), data=st.data())
-def test_sticky_moves_only_the_down_workers_sessions(n, data):
+@pytest.mark.parametrize("spec", ["sticky", "consistent_hash"])  # vllm-router's ring: the same rule
+def test_sticky_moves_only_the_down_workers_sessions(spec, n, data):
     view = FakeView(workers=names(n))
-    p = policy("sticky")
+    p = policy(spec)
     sessions = [f"conv-{i}" for i in range(200)]
     before = {s: p.choose(req(s), view) for s in sessions}
     gone = data.draw(st.sampled_from(view.workers))
     view.down = {gone}
     after = {s: p.choose(req(s), view) for s in sessions}
-    for s in sessions:
-        if before[s] == gone:
-            assert after[s] != gone
-        else:
-            assert after[s] == before[s]
+    assert {s for s in sessions if after[s] != before[s]} == {s for s in sessions if before[s] == gone}
+    assert gone not in after.values()
     view.down = set()
     assert {s: p.choose(req(s), view) for s in sessions} == before
 

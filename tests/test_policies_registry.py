@@ -24,7 +24,8 @@ def rng(seed: int = 0) -> np.random.Generator:
 def test_registry_names_match_classes_and_cli_names():
     assert POLICY_NAMES == tuple(PolicyName)
     assert {"round_robin", "least_loaded", "sticky", "hybrid_sticky", "cost_aware",
-            "kv_aware", "random", "prefix_approx", "dynamo", "loadaware"} == set(POLICY_NAMES)
+            "kv_aware", "random", "prefix_approx", "dynamo", "loadaware", "vllm_cache_aware",
+            "consistent_hash"} == set(POLICY_NAMES)
     for name, cls in POLICIES.items():
         assert cls.name == name.value
         assert cls.__doc__ and len(cls.__doc__) > 80

@@ -14,6 +14,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from kvroute.live.peers import is_peer_spec, parse_peer_spec
 from kvroute.policies.base import (
     ClusterView,
     NoWorkerUpError,
@@ -29,6 +30,7 @@ from kvroute.policies.kv_aware import KvAwarePolicy
 from kvroute.policies.loadaware import LoadAwarePolicy
 from kvroute.policies.sglang import PrefixApproxPolicy
 from kvroute.policies.sticky import HashRing, HybridStickyPolicy, StickyPolicy
+from kvroute.policies.vllm_router import ConsistentHashPolicy, VllmCacheAwarePolicy
 
 
 class PolicyName(StrEnum):
@@ -44,6 +46,8 @@ class PolicyName(StrEnum):
     PREFIX_APPROX = "prefix_approx"
     DYNAMO = "dynamo"
     LOADAWARE = "loadaware"
+    VLLM_CACHE_AWARE = "vllm_cache_aware"
+    CONSISTENT_HASH = "consistent_hash"
 
 
 POLICIES: Mapping[PolicyName, type[Policy]] = MappingProxyType(
@@ -58,6 +62,8 @@ POLICIES: Mapping[PolicyName, type[Policy]] = MappingProxyType(
         PolicyName.PREFIX_APPROX: PrefixApproxPolicy,
         PolicyName.DYNAMO: DynamoPolicy,
         PolicyName.LOADAWARE: LoadAwarePolicy,
+        PolicyName.VLLM_CACHE_AWARE: VllmCacheAwarePolicy,
+        PolicyName.CONSISTENT_HASH: ConsistentHashPolicy,
     }
 )
 
@@ -111,10 +117,46 @@ def make_policy(spec: str, rng: np.random.Generator) -> Policy:
     return policy_class(name)(rng, **args)
 
 
+#: production router spec -> the kvroute policy that simulates it at that router's
+#: defaults; None where kvroute has no counterpart (power_of_two: none yet).
+#: sglang-router 0.3.2's cache_aware sends a low-match request to the least loaded worker,
+#: not to the smallest tree (measured: tests/test_peers.py), so its counterpart is
+#: vllm_cache_aware, not prefix_approx (older SGLang source, kept for comparison).
+COUNTERPARTS: Mapping[str, str | None] = MappingProxyType(
+    {
+        "sglang_router:cache_aware": PolicyName.VLLM_CACHE_AWARE.value,
+        "sglang_router:round_robin": PolicyName.ROUND_ROBIN.value,
+        "sglang_router:random": PolicyName.RANDOM.value,
+        "sglang_router:power_of_two": None,
+        "vllm_router:cache_aware": PolicyName.VLLM_CACHE_AWARE.value,
+        "vllm_router:consistent_hash": PolicyName.CONSISTENT_HASH.value,
+        "vllm_router:round_robin": PolicyName.ROUND_ROBIN.value,
+        "vllm_router:power_of_two": None,
+    }
+)
+
+
+def counterpart(spec: str) -> str | None:
+    """The kvroute policy spec that simulates the production router ``spec``.
+
+    ``sglang_router:cache_aware`` -> ``vllm_cache_aware``, ``vllm_router:consistent_hash``
+    -> ``consistent_hash``, and so on (:data:`COUNTERPARTS`). The policy's defaults are that
+    router's command-line defaults. Returns None for a kvroute policy spec, and for a
+    router policy that kvroute has no counterpart for (``power_of_two``). Raises
+    ValueError for an unknown router policy (``vllm_router:nope``), naming the valid ones.
+    """
+    if not is_peer_spec(spec):
+        return None
+    router, policy = parse_peer_spec(spec)
+    return COUNTERPARTS[f"{router}:{policy}"]
+
+
 __all__ = [
+    "COUNTERPARTS",
     "POLICIES",
     "POLICY_NAMES",
     "ClusterView",
+    "ConsistentHashPolicy",
     "CostAwarePolicy",
     "DynamoPolicy",
     "HashRing",
@@ -130,6 +172,8 @@ __all__ = [
     "RoundRobinPolicy",
     "RouteRequest",
     "StickyPolicy",
+    "VllmCacheAwarePolicy",
+    "counterpart",
     "least_loaded",
     "make_policy",
     "parse_spec",

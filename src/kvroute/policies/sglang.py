@@ -57,4 +57,8 @@ class PrefixApproxPolicy(Policy):
         prompt = request.prompt_tokens
         if prompt > 0 and matched[best] / prompt > self.cache_threshold:
             return best
+        return self.low_match_worker(up, load, view)
+
+    def low_match_worker(self, up: list[str], load: dict[str, int], view: ClusterView) -> str:
+        """Rule 3, below the cache threshold: SGLang's smallest tree (ties -> least loaded)."""
         return min(up, key=lambda w: (view.index_size(w), load[w]))

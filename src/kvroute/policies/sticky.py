@@ -59,14 +59,15 @@ class HashRing:
 
 
 class _RingPolicy(Policy):
-    """Holds one ring, rebuilt only when the view's worker list changes."""
+    """Holds one ring of ``vnodes`` points per worker, rebuilt only when the view's worker list changes."""
 
+    vnodes: ClassVar[int] = VNODES
     _ring: HashRing | None = None
 
     def ring_worker(self, session_id: str, view: ClusterView) -> str:
         workers = tuple(view.workers)
         if self._ring is None or self._ring.workers != workers:
-            self._ring = HashRing(workers)
+            self._ring = HashRing(workers, self.vnodes)
         return self._ring.lookup(session_id, view.is_up)
 
 

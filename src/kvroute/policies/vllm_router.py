@@ -1,0 +1,103 @@
+"""vllm-router's ``cache_aware`` and ``consistent_hash`` over the view, with its defaults.
+
+vllm-router (PyPI ``vllm-router``, repository vllm-project/router) is a fork of
+sglang-router's Rust code. These classes are the simulated counterparts of its measured
+rows (``vllm_router:cache_aware``, ``vllm_router:consistent_hash``): the same rule and
+the defaults that its ``vllm-router`` command line starts with. The live runs use
+vllm-router 0.1.17 (``envs/routers.lock``); the rules were read from the repository's
+``src/policies/*.rs`` and ``src/routers/http/router.rs``, and the defaults from the
+0.1.17 wheel's ``vllm_router/router_args.py``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvroute.policies.base import ClusterView
+from kvroute.policies.sglang import PrefixApproxPolicy
+from kvroute.policies.sticky import StickyPolicy
+
+#: ``VIRTUAL_NODES_PER_WORKER`` in src/policies/consistent_hash.rs (factory.rs hard-codes it)
+VLLM_ROUTER_VNODES = 160
+
+
+class VllmCacheAwarePolicy(PrefixApproxPolicy):
+    """vllm-router ``cache_aware``: SGLang's rules, except that a cache miss goes to the least loaded.
+
+    With load(w) = ``view.in_flight(w)`` over the up workers:
+
+    1. imbalanced if ``max - min > balance_abs_threshold`` and
+       ``max > min * balance_rel_threshold``: the least-loaded worker;
+    2. else, if the best match rate ``matched_tokens / prompt_tokens`` is
+       ``> cache_threshold``: the best-matching worker (ties -> least loaded);
+    3. else the least-loaded worker. This is where it differs from ``prefix_approx``:
+       SGLang takes the smallest tree.
+
+    Ties after that go to the lowest index, as Rust's ``min_by_key`` keeps the first.
+    The rules come from ``src/policies/cache_aware.rs`` in vllm-project/router. The
+    header comment there still says "smallest tree size", but the code takes the least
+    loaded (``low_match_min_load``). Only available workers are passed in, and ``load``
+    counts the requests in flight, which ``route_typed_request`` raises for
+    ``cache_aware`` only (``src/routers/http/router.rs``).
+
+    Parameters (the ``vllm-router`` command-line defaults, ``RouterArgs`` in
+    ``vllm_router/router_args.py``): ``cache_threshold`` 0.3, ``balance_abs_threshold``
+    64, ``balance_rel_threshold`` 1.5. They equal SGLang's Python CLI defaults. The Python
+    ``Router()`` constructor documents other defaults (0.5, 32, 1.0001), but the command
+    line passes its own.
+
+    Deviations. vllm-router matches raw characters of the request text in one radix
+    tree with every worker as a tenant. Here the match is in tokens of full blocks, from
+    the view. On a tie the tree returns one of the tied tenants, and here the least
+    loaded wins. The tree is pruned to ``max_tree_size`` (2**25 characters per worker)
+    every ``eviction_interval_secs`` (120). Those bounds belong to the router-side index,
+    not to this policy (:class:`kvroute.kvcache.index.ApproxPrefixIndex`: a TTL and a
+    capacity). The newest repository source also keeps an exact session-id map for chat
+    requests that carry a history fallback. The 0.1.17 binary has no trace of it (no
+    ``session_id_match`` decision), so it is left out.
+
+    Defined over a router-side approximate index (``default_exact`` False, inherited).
+    The caller records every decision there, including imbalanced ones, as vllm-router
+    does.
+    """
+
+    name: ClassVar[str] = "vllm_cache_aware"
+    params: ClassVar[dict[str, tuple[type, object]]] = {
+        "cache_threshold": (float, 0.3),
+        "balance_abs_threshold": (int, 64),
+        "balance_rel_threshold": (float, 1.5),
+    }
+
+    def low_match_worker(self, up: list[str], load: dict[str, int], view: ClusterView) -> str:
+        """Rule 3, below the cache threshold: the least-loaded worker (ties -> lowest index)."""
+        return min(up, key=load.__getitem__)
+
+
+class ConsistentHashPolicy(StickyPolicy):
+    """vllm-router ``consistent_hash``: a hash ring on the session id, 160 virtual nodes per worker.
+
+    The rule is :class:`~kvroute.policies.sticky.StickyPolicy`'s. A session belongs to
+    the first ring point clockwise from its hash whose worker is up, so when a worker goes
+    down only its sessions move, and they move back when it returns. vllm-router hands the
+    policy only available workers and rebuilds its ring when that set changes, which is
+    the same as skipping a down worker's points. That is why the "first healthy worker"
+    fallback in ``src/policies/consistent_hash.rs`` never runs there.
+
+    Parameters: none. ``virtual_nodes`` is 160 (``VIRTUAL_NODES_PER_WORKER``). The
+    ``PolicyConfig`` field exists, but ``src/policies/factory.rs`` ignores it.
+
+    Key: vllm-router hashes the first non-empty one of the X-Session-ID header (then
+    x-user-id, ...) or the body's session fields or ``user``
+    (``src/policies/hash_key.rs``), else the request body. kvroute's gateway takes
+    X-Session-ID, else ``user``, as ``request.session_id``, and with neither it uses a
+    fresh id per request, which scatters turns as a body hash does.
+
+    Deviation: vllm-router places points with ``fbi_hash`` (mcrouter's furc hash and
+    MurmurHash64A) of ``"{url}:{i}"``, and the session key ``"header:x-session-id:{id}"``.
+    Here it is blake2b of ``"{worker}#{i}"`` and of the id. Simulated workers have names,
+    not the live URLs, so no hash could reproduce the live assignment anyway. The ring's
+    properties are the same, but which sessions share a worker differs.
+    """
+
+    name: ClassVar[str] = "consistent_hash"
+    vnodes: ClassVar[int] = VLLM_ROUTER_VNODES
