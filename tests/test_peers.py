@@ -87,21 +87,24 @@ def _exp(tmp_path, policies, **params):
     return p
 
 
-def test_simulate_leaves_out_production_routers(tmp_path):
-    """A router the experiment lists is measured only: simulation leaves it out (as the
-    workflow does); naming one with --policy is an error."""
-    path = _exp(tmp_path, ["round_robin", "vllm_router:cache_aware"])
+def test_simulate_runs_production_routers_as_their_counterparts(tmp_path):
+    """A router the experiment lists is measured as itself and simulated as its kvroute
+    counterpart (once, however many routers share it; left out without one), as the
+    workflow does; naming one with --policy is an error that names the counterpart."""
+    path = _exp(tmp_path, ["round_robin", "vllm_router:cache_aware", "sglang_router:cache_aware",
+                           "sglang_router:power_of_two"])
     exp = load_experiment(path)  # valid for measuring
-    assert [r.policy for r in exp.expand(measured=True)] == ["round_robin", "vllm_router:cache_aware"]
-    assert [r.policy for r in exp.expand()] == ["round_robin"]
+    assert [r.policy for r in exp.expand(measured=True)] == ["round_robin", "vllm_router:cache_aware",
+                                                             "sglang_router:cache_aware", "sglang_router:power_of_two"]
+    assert [r.policy for r in exp.expand()] == ["round_robin", "vllm_cache_aware"]
     res = CliRunner().invoke(main, ["simulate", str(path), "--out", str(tmp_path / "o")])
     assert res.exit_code == 0, res.output
-    assert set(pd.read_parquet(tmp_path / "o" / "requests.parquet")["policy"]) == {"round_robin"}
+    assert set(pd.read_parquet(tmp_path / "o" / "requests.parquet")["policy"]) == {"round_robin", "vllm_cache_aware"}
     res = CliRunner().invoke(main, ["simulate", str(path), "--out", str(tmp_path / "p"),
                                     "--policy", "vllm_router:cache_aware"])
     assert res.exit_code != 0
-    assert "'vllm_router:cache_aware' is a production router: it can be measured (kvroute measure), not simulated" \
-        in res.output
+    assert ("'vllm_router:cache_aware' is a production router: it can be measured (kvroute measure), not simulated;"
+            " simulate its counterpart with --policy vllm_cache_aware") in res.output
     with pytest.raises(ExperimentError, match="not simulated"):
         load_experiment(_exp(tmp_path, ["sticky"])).expand(["sglang_router:round_robin"])
 

@@ -65,7 +65,8 @@ def _make_repo(dst: Path) -> Path:
     for a in cfg["analyses"]:
         _placeholder(dst / f"notebooks/{a['notebook']}.ipynb", "{}\n")
         for path in a.get("inputs", []):
-            if not any(c in path for c in "*?["):
+            # inputs the workflow makes (results/validation/) come from their rules
+            if not any(c in path for c in "*?[") and not path.startswith("results/"):
                 _placeholder(dst / path, "placeholder\n")
     for n in cfg["notes"]:
         _placeholder(dst / f"paper/{n['name']}/main.tex", "placeholder\n")
@@ -135,6 +136,7 @@ def expected_fresh_jobs(repo: Path) -> Counter:
         merge=len(exps),
         arithmetic=int(any("tn4-arithmetic" in a.get("sim", []) for a in cfg["analyses"])),
         manifest=1,
+        validate=1,
         note=len(cfg["notes"]),
         paper=1,
     )

@@ -59,20 +59,29 @@ class Experiment:
 
         ``hardware`` moves every policy of the experiment onto that profile;
         ``policies`` replaces each run's policy list; ``round_`` selects one round.
-        Production routers (``sglang_router:...``, ``vllm_router:...``) can only be
-        measured: unless ``measured``, those the file lists are left out (the workflow's
-        simulations and ``kvroute simulate`` alike), and one named in ``policies`` is an
-        :class:`ExperimentError`.
+        Production routers (``sglang_router:...``, ``vllm_router:...``) run only as
+        themselves when ``measured``. Simulated (the workflow's simulations and
+        ``kvroute simulate`` alike), each one the file lists becomes its kvroute
+        counterpart (:func:`kvroute.policies.counterpart`: the router's algorithm at its
+        defaults), once, so every measured row has a prediction; a router without one is
+        left out; naming a router in ``policies`` is an :class:`ExperimentError` that names
+        its counterpart.
         """
+        from kvroute.policies import counterpart
+
         if not measured:
             for p in policies or ():
                 if is_peer_spec(p):
-                    raise ExperimentError(f"{self.path}: policy {p!r} {PEER_NOT_SIMULATED}")
+                    twin = counterpart(p)
+                    hint = f"; simulate its counterpart with --policy {twin}" if twin else ""
+                    raise ExperimentError(f"{self.path}: policy {p!r} {PEER_NOT_SIMULATED}{hint}")
         pairs: list[tuple[str, str]] = []
         for hw, pols in self.runs:
             hw = hardware or hw
             for p in policies or pols:
-                if (hw, p) not in pairs and (measured or not is_peer_spec(p)):
+                if not measured and is_peer_spec(p):
+                    p = counterpart(p)
+                if p is not None and (hw, p) not in pairs:
                     pairs.append((hw, p))
         n = rounds or self.rounds
         rnds = [round_] if round_ is not None else list(range(n))
