@@ -401,7 +401,7 @@ def test_reported_files_have_sources():
         assert "source" in df.columns and df["source"].notna().all(), f
         # the original document and its table or section: users of the artifact have no ../shared
         assert not df["source"].str.contains("shared/", regex=False).any(), f
-        assert df["source"].str.contains(r"Table|Setup|arithmetic|answers|against|section", case=False).all(), f
+        assert df["source"].str.contains(r"Table|Setup|arithmetic|answers|against|section|experiment", case=False).all(), f
 
 # ---------------------------------------------------------------- the sticky explainer
 
