@@ -157,7 +157,9 @@ def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path,
     write_csv(published, out / "published.csv")
     h = headline(summary)
     click.echo(f"{len(summary)} measured rows, {len(published)} published rows; "
-               f"timing median |error| {h['timing_median_abs_rel_error']:.1%}, hit rate worst {h['hit_rate_max_points']:.1f} points")
+               f"timing median |error| {h['timing_median_abs_rel_error']:.1%}, hit rate worst {h['hit_rate_max_points']:.1f} points, "
+               f"piled where measured: {h['piled_agree']:g}, order kept in {h['order_same_share']:.0%} of {h['order_pairs']:.0f} "
+               f"distinguishable pairs")
 
 
 @main.command("fit-gpu")

@@ -161,12 +161,45 @@ def read_reported(directory: Path) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["experiment", "hardware", "policy", "metric", "value", "note"])
 
 
+#: the timing metrics whose median error the fidelity goal judges
+TIMING = ("ttft_mean_ms", "ttft_p90_ms", "later_ttft_mean_ms", "time_to_complete_s")
+#: an imbalance above this means the run piled onto some worker
+PILED = 0.5
+
+
 def headline(summary: pd.DataFrame) -> dict[str, float]:
-    """The issue's measures of fit over the measured rows: median |relative error| of the
-    four timing metrics, and the largest hit-rate miss in points."""
-    timing = summary[summary["metric"].isin(["ttft_mean_ms", "ttft_p90_ms", "later_ttft_mean_ms", "time_to_complete_s"])]
+    """The measures of fit over the measured rows: median |relative error| of the four
+    timing metrics, the largest hit-rate miss in points, whether a predicted imbalance
+    above :data:`PILED` is exactly where a measured one is, and the share of
+    distinguishable policy pairs (:func:`order_checks`) the prediction orders the same."""
+    timing = summary[summary["metric"].isin(TIMING)]
     hit = summary[summary["metric"] == "hit_rate"]
+    imb = summary[summary["metric"] == "imbalance"]
+    orders = order_checks(summary)
     return {
         "timing_median_abs_rel_error": float(timing["rel_error"].abs().median()) if len(timing) else float("nan"),
         "hit_rate_max_points": float((100 * (hit["predicted"] - hit["measured"]).abs()).max()) if len(hit) else float("nan"),
+        "piled_agree": float(((imb["predicted"] > PILED) == (imb["measured"] > PILED)).all()) if len(imb) else float("nan"),
+        "order_pairs": float(len(orders)),
+        "order_same_share": float(orders["predicted_same"].mean()) if len(orders) else float("nan"),
     }
+
+
+def order_checks(summary: pd.DataFrame) -> pd.DataFrame:
+    """Every pair of policies whose measured intervals do not overlap, per experiment,
+    hardware and metric, with whether the prediction orders them the same way.
+
+    Columns: ``experiment, hardware, metric, lower, higher`` (the policies, by measured
+    value), ``predicted_same`` (bool). Pairs with an undefined interval (one round) are
+    not judged.
+    """
+    rows = []
+    for (exp, hw, metric), g in summary.groupby(["experiment", "hardware", "metric"], sort=True):
+        g = g.dropna(subset=["measured_lo", "measured_hi"]).sort_values("measured")
+        recs = list(g.itertuples(index=False))
+        for i, a in enumerate(recs):
+            for b in recs[i + 1:]:
+                if a.measured_hi < b.measured_lo:  # a's interval lies wholly below b's
+                    rows.append({"experiment": exp, "hardware": hw, "metric": metric, "lower": a.policy,
+                                 "higher": b.policy, "predicted_same": bool(a.predicted < b.predicted)})
+    return pd.DataFrame(rows, columns=["experiment", "hardware", "metric", "lower", "higher", "predicted_same"])

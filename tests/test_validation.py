@@ -1,0 +1,150 @@
+"""results/validation/: predictions beside measurements and published figures, like for like."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from kvroute.analysis.validation import (
+    COLUMNS,
+    ValidationError,
+    headline,
+    measured_rows,
+    order_checks,
+    published_rows,
+    read_reported,
+)
+from kvroute.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _summary(policy: str, ttc: list[float], hit: list[float], exp: str = "e", hw: str = "cpu") -> pd.DataFrame:
+    n = len(ttc)
+    return pd.DataFrame({"experiment": exp, "hardware": hw, "policy": policy, "round": range(n),
+                         "time_to_complete_s": ttc, "hit_rate": hit, "imbalance": [0.1] * n})
+
+
+def _requests(policy: str, view: str, exp: str = "e", hw: str = "cpu") -> pd.DataFrame:
+    return pd.DataFrame({"experiment": [exp], "hardware": [hw], "policy": [policy], "view": [view]})
+
+
+def never(_hw: str) -> set[str]:
+    return set()
+
+
+def test_measured_rows_put_the_counterpart_beside_a_production_router():
+    sim = pd.concat([_summary("round_robin", [10, 11, 12], [0.7, 0.7, 0.7]),
+                     _summary("vllm_cache_aware", [8, 8, 8], [0.9, 0.9, 0.9])])
+    meas = pd.concat([_summary("round_robin", [10, 10, 10], [0.7, 0.8, 0.75]),
+                      _summary("sglang_router:cache_aware", [9, 10, 11], [0.8, 0.8, 0.8])])
+    out = measured_rows(sim, meas, in_sample=never)
+    assert list(out.columns) == list(COLUMNS)
+    peer = out[(out["policy"] == "sglang_router:cache_aware") & (out["metric"] == "time_to_complete_s")].iloc[0]
+    assert peer["predicted"] == 8 and peer["measured"] == 10
+    assert peer["rel_error"] == pytest.approx(-0.2)
+    assert peer["measured_lo"] < 10 < peer["measured_hi"]  # a t interval over three rounds
+    rr = out[(out["policy"] == "round_robin") & (out["metric"] == "time_to_complete_s")].iloc[0]
+    assert rr["predicted"] == 11 and rr["rel_error"] == pytest.approx(0.1)
+    assert not out["in_sample"].any()
+
+
+def test_a_different_view_is_not_like_for_like():
+    sim, meas = _summary("kv_aware", [5], [0.9]), _summary("kv_aware", [4], [0.9])
+    with pytest.raises(ValidationError, match="view 'approx' but simulated .* view 'exact'"):
+        measured_rows(sim, meas, _requests("kv_aware", "exact"), _requests("kv_aware", "approx"), in_sample=never)
+    ok = measured_rows(sim, meas, _requests("kv_aware", "approx"), _requests("kv_aware", "approx"), in_sample=never)
+    assert len(ok) == 3  # ttc, hit rate, imbalance
+
+
+def test_in_sample_follows_the_coefficients_provenance():
+    sim, meas = _summary("sticky", [5], [0.9], exp="explainer-two-replicas"), _summary("sticky", [4], [0.9], exp="explainer-two-replicas")
+    out = measured_rows(sim, meas)  # cpu-provisional's provenance: in sample for the explainer
+    assert out["in_sample"].all()
+
+
+def test_published_rows_ranges_changes_and_unstated_chat_lengths():
+    sim = pd.concat([_summary("kv_aware", [90, 90], [0.93, 0.93], exp="note2-20turn", hw="a6000x4"),
+                     _summary("least_loaded", [100, 100], [0.95, 0.95], exp="note2-20turn", hw="a6000x4"),
+                     _summary("kv_aware", [24, 24], [0.88, 0.88], exp="note2-6turn", hw="a6000x4"),
+                     _summary("least_loaded", [24, 24], [0.88, 0.88], exp="note2-6turn", hw="a6000x4"),
+                     _summary("kv_aware", [1, 1], [0.5, 0.5], exp="other", hw="a6000x4")])
+    rep = pd.DataFrame([
+        {"experiment": "*", "hardware": "a6000x4", "policy": "kv_aware", "metric": "hit_rate", "value": 0.89,
+         "value_hi": 0.95, "note": "note2"},
+        {"experiment": "note2-20turn", "hardware": "a6000x4", "policy": "kv_aware", "metric": "time_to_complete_s",
+         "value": 100.0, "value_hi": np.nan, "note": "note2"},
+        {"experiment": "note2-20turn", "hardware": "a6000x4", "policy": "kv_aware vs least_loaded",
+         "metric": "time_to_complete_s_change", "value": -0.06, "value_hi": -0.03, "note": "note2"},
+    ])
+    out = published_rows(sim, rep, in_sample=never)
+    hits = out[out["metric"] == "hit_rate"].set_index("experiment")
+    assert set(hits.index) == {"note2-6turn", "note2-20turn"}  # `*`: the note's experiments only, not `other`
+    assert hits.loc["note2-20turn", "rel_error"] == 0  # inside the range
+    assert hits.loc["note2-6turn", "rel_error"] == pytest.approx(0.88 / 0.89 - 1)  # to the nearer end
+    ttc = out[out["metric"] == "time_to_complete_s"].iloc[0]
+    assert ttc["rel_error"] == pytest.approx(-0.1)
+    change = out[out["metric"] == "time_to_complete_s_change"].iloc[0]
+    assert change["predicted"] == pytest.approx(-0.1)  # 90 / 100 - 1
+    assert change["rel_error"] == pytest.approx(-0.04)  # a difference of changes, to the nearer end -0.06
+
+
+def test_order_checks_judge_only_distinguishable_pairs():
+    s = pd.DataFrame([
+        {"experiment": "e", "hardware": "h", "policy": "a", "metric": "m", "predicted": 1.0, "measured": 1.0,
+         "measured_lo": 0.9, "measured_hi": 1.1},
+        {"experiment": "e", "hardware": "h", "policy": "b", "metric": "m", "predicted": 3.0, "measured": 2.0,
+         "measured_lo": 1.9, "measured_hi": 2.1},
+        {"experiment": "e", "hardware": "h", "policy": "c", "metric": "m", "predicted": 0.5, "measured": 2.05,
+         "measured_lo": 1.95, "measured_hi": 2.15},  # overlaps b: not judged against it
+    ])
+    out = order_checks(s)
+    assert {(r.lower, r.higher): r.predicted_same for r in out.itertuples()} == {("a", "b"): True, ("a", "c"): False}
+
+
+def test_headline_measures():
+    s = pd.DataFrame([
+        {"experiment": "e", "hardware": "h", "policy": "a", "metric": "ttft_mean_ms", "predicted": 110, "measured": 100,
+         "measured_lo": np.nan, "measured_hi": np.nan, "rel_error": 0.1},
+        {"experiment": "e", "hardware": "h", "policy": "a", "metric": "time_to_complete_s", "predicted": 7, "measured": 10,
+         "measured_lo": np.nan, "measured_hi": np.nan, "rel_error": -0.3},
+        {"experiment": "e", "hardware": "h", "policy": "a", "metric": "hit_rate", "predicted": 0.8, "measured": 0.85,
+         "measured_lo": np.nan, "measured_hi": np.nan, "rel_error": -0.06},
+        {"experiment": "e", "hardware": "h", "policy": "a", "metric": "imbalance", "predicted": 0.9, "measured": 0.2,
+         "measured_lo": np.nan, "measured_hi": np.nan, "rel_error": 3.5},
+    ])
+    h = headline(s)
+    assert h["timing_median_abs_rel_error"] == pytest.approx(0.2)
+    assert h["hit_rate_max_points"] == pytest.approx(5.0)
+    assert h["piled_agree"] == 0.0  # piled in the prediction, spread when measured
+
+
+def test_every_reported_figure_of_note2_has_a_prediction_row(tmp_path):
+    """The command over merged simulations: one published row per figure of note2.csv with a
+    metric (a `*` figure once per chat length)."""
+    from kvroute.experiment import load_experiment
+    from kvroute.sim.run import simulate_experiment
+
+    sims = []
+    for name, policies in (("note2-6turn", ["round_robin", "least_loaded", "kv_aware"]),
+                           ("note2-20turn", ["round_robin", "least_loaded", "kv_aware"]),
+                           ("note2-a100", None)):
+        exp = load_experiment(ROOT / f"config/experiments/{name}.yaml")
+        small = exp.raw | {"rounds": 1, "workload": {**exp.workload, "params": {**exp.workload["params"], "chats": 4, "turns": 2}}}
+        import yaml
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(small))
+        simulate_experiment(load_experiment(path), tmp_path / name, policies=policies)
+        sims += ["--sim", str(tmp_path / name)]
+    res = CliRunner().invoke(main, ["validate", *sims, "--out", str(tmp_path / "v")])
+    assert res.exit_code == 0, res.output
+    pub = pd.read_csv(tmp_path / "v" / "published.csv")
+    rep = read_reported(ROOT / "paper/reported")
+    expected = sum(2 if r.experiment == "*" else 1 for r in rep.itertuples() if isinstance(r.metric, str))
+    assert len(pub) == expected
+    assert pub["predicted"].notna().all() and not pub["in_sample"].any()
+    assert pd.read_csv(tmp_path / "v" / "summary.csv").empty  # nothing measured
