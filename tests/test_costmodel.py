@@ -91,12 +91,14 @@ def test_engine_dtype_sets_the_bytes_per_element(tmp_path):
 
 
 def test_profiles_are_checked_against_the_schema_naming_the_key(tmp_path):
-    """A misspelt key, an unknown cpu_affinity, or per_worker on a GPU profile is rejected
-    before anything runs."""
+    """The cpu profile pins each worker's process tree to its own core; a misspelt key, an
+    unknown cpu_affinity, or per_worker on a GPU profile is rejected before anything runs."""
     import shutil
 
     import yaml
 
+    assert load_hardware("cpu").engine.cpu_affinity == "per_worker"
+    assert load_hardware("cpu").to_dict()["cpu_affinity"] == "per_worker"
     assert load_hardware("a6000x4").engine.cpu_affinity == "none"
 
     def variant(tag: str, profile: str, change) -> None:
@@ -117,4 +119,4 @@ def test_profiles_are_checked_against_the_schema_naming_the_key(tmp_path):
         variant("gpu", "a6000x4", lambda raw: raw["engine"].update(cpu_affinity="per_worker"))
     with pytest.raises(ValueError, match=r"key workers: 0 is less than the minimum of 1"):
         variant("workers", "cpu", lambda raw: raw.update(workers=0))
-    variant("per_worker", "cpu", lambda raw: raw["engine"].update(cpu_affinity="per_worker"))
+    variant("none", "cpu", lambda raw: raw["engine"].update(cpu_affinity="none"))  # the other valid value
