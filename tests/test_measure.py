@@ -1,5 +1,8 @@
 """`kvroute measure` end to end on emulated engines: workers up, gateway per policy, load, workers down."""
 
+import json
+import os
+
 import pandas as pd
 import pytest
 import yaml
@@ -43,6 +46,12 @@ def test_measure_on_the_emulator_writes_labelled_records(tmp_path, exp_file):
     assert set(summary.policy) == {"round_robin", "sticky"}
     # engines were stopped: the run folder's engines left logs but no live workers behind
     assert (out / "engines").is_dir()
+    # how the workers shared the machine: emulators are not pinned, whatever the profile says
+    meta = json.loads((out / "load.json").read_text())
+    cpus = sorted(os.sched_getaffinity(0))
+    assert meta["cpu_affinity"] == {"mode": "none", "workers": {"w0": cpus, "w1": cpus}, "gateway_and_loadgen": cpus}
+    assert set(meta["client_cpu_s"]) == {"round_robin round 0", "sticky round 0"}
+    assert all(v > 0 for v in meta["client_cpu_s"].values())
 
 
 def test_measure_rejects_unknown_policy_before_starting_engines(tmp_path, exp_file):

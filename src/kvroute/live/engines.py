@@ -10,7 +10,11 @@ Three kinds of engine, chosen by the profile's ``engine.kind`` or overridden:
 * ``vllm-cpu``: the same server from vLLM's CPU build, with the flags and environment of
   docs (vllm-on-cpu): one core per worker (``VLLM_CPU_OMP_THREADS_BIND``), a fixed KV
   budget, the tiny local model built by ``kvroute model tiny DIR``, caches and sockets
-  under the run folder.
+  under the run folder. With the profile's ``engine.cpu_affinity: per_worker`` the
+  worker's whole process tree (API server, EngineCore, its worker process, every thread)
+  may run only on that core: the CPU affinity is set before the server's Python starts
+  and every child inherits it, so a busy worker cannot borrow an idle one's core, as one
+  GPU cannot borrow another's. The caller (gateway, load generator) keeps its own.
 * ``emulator``: ``python -m kvroute.live.emulator`` per worker (kvroute's own engine,
   everything it serves labelled emulated).
 
@@ -113,6 +117,7 @@ class WorkerSpec:
     device: int = 0  # device (GPU, or core for the CPU build) the worker runs on
     kv_events: str | None = None  # the ZMQ endpoint of its KV cache events, if enabled
     model_dir: str | None = None  # the model folder a vLLM worker serves (its tokenizer)
+    cpus: tuple[int, ...] = ()  # the only CPUs its process tree may run on; () leaves the parent's
 
     @property
     def url(self) -> str:
@@ -225,6 +230,51 @@ def vllm_cpu_command(
     # 200 ms a token instead of 11 and a cold 3,000-token TTFT took 2.0 s instead of 1.3.
     env.update(dict.fromkeys(THREAD_VARIABLES, "1"))
     return cmd, env
+
+
+#: sets the CPU affinity, then execs the worker's command (argv: CPUS COMMAND...): every thread
+#: and child of the worker inherits it. Not Popen's preexec_fn, which may deadlock in a parent
+#: with threads; not taskset, which a minimal image may lack.
+PIN_EXEC = ("import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); "
+            "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def pinned_command(cmd: Sequence[str], cpus: Sequence[int]) -> list[str]:
+    """``cmd`` run with its CPU affinity set to ``cpus`` (unchanged when ``cpus`` is empty)."""
+    if not cpus:
+        return list(cmd)
+    return [sys.executable, "-c", PIN_EXEC, ",".join(map(str, cpus)), *cmd]
+
+
+def group_affinity(pgid: int) -> dict[int, set[int]]:
+    """The allowed CPUs (``/proc/TID/status`` Cpus_allowed_list) of every thread of every
+    process in process group ``pgid``, by thread id; a task that ends meanwhile is left out."""
+    out: dict[int, set[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for task in (stat.parent / "task").iterdir():
+                out[int(task.name)] = _cpus_allowed(task / "status")
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _cpus_allowed(status: Path) -> set[int]:
+    for line in status.read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return parse_cpu_list(line.split(":", 1)[1])
+    raise ValueError(f"{status}: no Cpus_allowed_list")
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """The CPUs of a Linux CPU list (``0-2,5``)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def kv_events_config(endpoint: str, topic: str = "") -> str:
@@ -404,15 +454,19 @@ def plan_workers(
     if check:
         check_vllm_python(py, kind)
     model = resolve_model_dir(hw, kind, model_dir)
-    ncores = os.cpu_count() or 1
+    cores = sorted(os.sched_getaffinity(0))  # the CPUs this process may use, not all the machine's
+    if kind == "vllm-cpu" and hw.engine.cpu_affinity == "per_worker" and hw.workers > len(cores):
+        log.warning("%d vllm-cpu workers on %d CPUs: cpu_affinity per_worker puts some on the same core",
+                    hw.workers, len(cores))
     for i, port in enumerate(ports):
         if kind == "vllm-cpu":
-            core = i % ncores
+            core = cores[i % len(cores)]
             cmd, env = vllm_cpu_command(hw, i, port, model_dir=model, run_dir=run_dir, host=host, python=py, core=core,
                                         extra_args=kv_args(i))
+            cpus = (core,) if hw.engine.cpu_affinity == "per_worker" else ()
             # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override --kv-cache-memory-bytes
             specs.append(WorkerSpec(hw.worker_names[i], i, kind, host, port, tuple(cmd), env,
-                                    ("VLLM_CPU_KVCACHE_SPACE",), core, kv[i], str(model)))
+                                    ("VLLM_CPU_KVCACHE_SPACE",), core, kv[i], str(model), cpus))
         else:
             cmd, env = vllm_command(hw, i, port, model_dir=model, run_dir=run_dir, host=host, python=py,
                                     extra_args=kv_args(i))
@@ -493,6 +547,15 @@ class Engines:
     def log_path(self, i: int) -> Path:
         return self.run_dir / f"{self.specs[i].name}.log"
 
+    def cpu_affinity(self) -> dict[str, list[int]]:
+        """Worker -> the CPUs any thread of its process tree may run on now, read from /proc
+        (what a run records of how its workers share the machine)."""
+        out = {}
+        for spec, p in zip(self.specs, self.procs):
+            if p is not None:
+                out[spec.name] = sorted(set().union(*group_affinity(p.pid).values()))
+        return out
+
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         """Start every worker and wait until each is healthy (stops them all on failure)."""
@@ -515,10 +578,12 @@ class Engines:
                 Path(spec.env[key]).mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path(i), "ab")  # noqa: SIM115 - closed in stop()
         self._logs[i] = logf
-        log.info("starting %s %s on %s: %s", spec.kind, spec.name, spec.url, " ".join(spec.cmd))
+        cpus = f" (CPUs {','.join(map(str, spec.cpus))} only)" if spec.cpus else ""
+        log.info("starting %s %s on %s%s: %s", spec.kind, spec.name, spec.url, cpus, " ".join(spec.cmd))
         try:
             self.procs[i] = subprocess.Popen(
-                spec.cmd, env=spec.environ(), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                pinned_command(spec.cmd, spec.cpus), env=spec.environ(), stdin=subprocess.DEVNULL, stdout=logf,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: stop() reaches vLLM's children too
             )
         except OSError as exc:

@@ -18,6 +18,12 @@ routers drop kvroute's ``X-Worker`` header, so a request's worker comes from the
 emulator's ``kvroute_worker`` body field, else is ``unknown``; load.json then has each
 engine's request and prompt-token counts from its /metrics (``per_worker``), for every
 policy, so per-worker load can be read beside the hit rate either way.
+
+load.json also says how the workers shared the machine (``cpu_affinity``): the
+profile's ``engine.cpu_affinity``, the CPUs each worker's process tree was allowed as
+read from /proc once they were healthy, and those of this process, which runs the
+gateway and the load generator; ``client_cpu_s`` per policy and round is this process's
+CPU time (gateway and load generator; a production router's own process is not in it).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -156,15 +164,20 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
     workers: dict[tuple, list[str]] = {}
     checks: dict[str, dict] = {}
     loads: dict[str, dict] = {}
+    client_cpu: dict[str, float] = {}
     with running_engines(hw, run_dir=out / "engines", kind=engine, time_scale=time_scale,
                          kv_events=kv_events) as engines:
         source = "emulated" if engines.kind == "emulator" else "live"
+        affinity = {"mode": hw.engine.cpu_affinity if engines.kind == "vllm-cpu" else "none",
+                    "workers": engines.cpu_affinity(), "gateway_and_loadgen": sorted(os.sched_getaffinity(0))}
+        log.info("CPU affinity: %s", affinity)
         for run in runs:
             trace = load_trace(exp, run.round)
             engines.reset_prefix_cache()
             peer = is_peer_spec(run.policy)
             log.info("measuring %s on %s round %d (%s)", run.policy, hardware, run.round, source)
             kwargs = {"max_requests": max_requests, "time_limit_s": time_limit_s}
+            cpu0 = time.process_time()
             if peer:
                 logp = out / "routers" / f"{run.policy.replace(':', '-')}-round{run.round}.log"
                 result = _measure_peer(engines, hw, trace, run.policy, logp, **kwargs)
@@ -178,11 +191,12 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
                                    view=PEER_VIEW if peer else "exact" if kv_events else "approx")
             workers[(exp.name, hardware, run.policy, run.round)] = list(engines.names)
             key = f"{run.policy} round {run.round}"
+            client_cpu[key] = round(time.process_time() - cpu0, 3)
             checks[key] = result.cross_check()
             loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))
     summary = write_results(records, out, workers=workers,
                             extra={"engine": engine or hw.engine.kind, "cross_check": checks, "per_worker": loads,
-                                   "kv_events": kv_events})
+                                   "kv_events": kv_events, "cpu_affinity": affinity, "client_cpu_s": client_cpu})
     return _imbalance_from_metrics(summary, records, loads, out)
 
 
