@@ -233,8 +233,12 @@ def in_points(metric: str) -> bool:
 
 
 def error_points(row) -> float:
-    """A validation row's error as the table shows it: percentage points for fractions
-    (to the nearer end of a published range, 0 inside), else the relative error in percent."""
+    """A validation row's error as the tables show it: percentage points for fractions
+    (to the nearer end of a published range, 0 inside), the difference itself for the
+    imbalance (a coefficient of variation, near zero when spread: a ratio to it means
+    nothing), else the relative error in percent."""
+    if row.metric == "imbalance":
+        return row.predicted - row.measured
     if not in_points(row.metric):
         return 100 * row.rel_error
     lo, hi = row.measured_lo, row.measured_hi
@@ -244,26 +248,38 @@ def error_points(row) -> float:
     return 100 * (row.predicted - ref)
 
 
-def validation_table(rows: pd.DataFrame, arrangement: dict[tuple[str, str], str] | None = None) -> pd.DataFrame:
-    """``results/validation/published.csv`` (or ``summary.csv``) as LaTeX cells: experiment,
-    policy, measure, published/measured (a range where published as one), predicted, error."""
+def _error_cell(metric: str, err: float) -> Tex:
+    if metric == "imbalance":
+        return Tex(rf"\num{{{fmt(err, 2)}}}")
+    if in_points(metric):
+        return Tex(rf"\num{{{fmt(err, 1)}}}\,pt")
+    return Tex(rf"\num{{{fmt(err, 0)}}}\%")
+
+
+def validation_table(rows: pd.DataFrame, arrangement: dict[tuple[str, str], str] | None = None,
+                     measured: bool = False) -> pd.DataFrame:
+    """``results/validation/published.csv`` (or, ``measured``, ``summary.csv``) as LaTeX
+    cells: experiment, policy, measure, the published value (a range where published as
+    one) or the measured mean with the half-width of its interval over rounds, the
+    prediction and the error (:func:`error_points`)."""
     from kvroute.analysis.tables import policy_tex
 
     out = []
     for r in rows.itertuples(index=False):
         label, unit, d = METRIC_LABELS.get(r.metric, (r.metric, "", 2))
         k = 100 if unit == "%" else 1
-        if pd.notna(r.measured_lo) and pd.notna(r.measured_hi) and r.measured_lo != r.measured_hi:
+        if measured:
+            half = (r.measured_hi - r.measured_lo) / 2 if pd.notna(r.measured_lo) and pd.notna(r.measured_hi) else None
+            given = num_ci(Interval(k * r.measured, k * r.measured_lo, k * r.measured_hi, k * half, 2) if half is not None
+                           else interval([k * r.measured]), d)
+        elif pd.notna(r.measured_lo) and pd.notna(r.measured_hi) and r.measured_lo != r.measured_hi:
             given = Tex(rf"\numrange{{{fmt(k * r.measured_lo, d)}}}{{{fmt(k * r.measured_hi, d)}}}")
         else:
             given = num(k * r.measured, d)
-        err = error_points(r)
         pol = (arrangement or {}).get((r.hardware, r.policy))
         a, sep, b = str(r.policy).partition(" vs ")
         shown = Tex(pol) if pol else (policy_tex(a) + Tex(" vs ") + policy_tex(b) if sep else policy_tex(r.policy))
         out.append({"experiment": EXPERIMENT_LABELS.get(r.experiment, r.experiment), "policy": shown,
                     "measure": f"{label} ({unit})" if unit else label, "given": given,
-                    "predicted": num(k * r.predicted, d),
-                    "error": Tex(rf"\num{{{fmt(err, 0 if not in_points(r.metric) else 1)}}}"
-                                 + (r"\,pt" if in_points(r.metric) else r"\%"))})
+                    "predicted": num(k * r.predicted, d), "error": _error_cell(r.metric, error_points(r))})
     return pd.DataFrame(out)
