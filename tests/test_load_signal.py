@@ -185,3 +185,19 @@ def test_events_that_never_arrive_leave_kv_aware_to_its_load_tie_break(tmp_path)
     blind = _records(tmp_path, "a", ["kv_aware"], view="exact", load_signal=never)
     least = _records(tmp_path, "b", ["least_loaded"], view="exact")
     pd.testing.assert_frame_equal(blind, least)
+
+
+def test_validation_refuses_unlike_load_signals():
+    """A prediction beside a measurement only when both saw load the same way."""
+    from kvroute.analysis.validation import ValidationError, measured_rows
+
+    key = {"experiment": "e", "hardware": "cpu", "policy": "least_loaded"}
+    summary = pd.DataFrame([{**key, "round": 0, "hit_rate": 0.5}])
+    sim = pd.DataFrame([{**key, "view": "exact", "load_signal": "scraped:100ms"}])
+    meas = pd.DataFrame([{**key, "view": "exact", "load_signal": "router"}])
+    with pytest.raises(ValidationError, match="load_signal 'router'.*'scraped:100ms'"):
+        measured_rows(summary, summary, sim, meas, in_sample=lambda hw: set())
+    same = measured_rows(summary, summary, sim, sim, in_sample=lambda hw: set())
+    assert len(same) == 1
+    old = meas.assign(load_signal=None)  # records from before the column: nothing to check
+    assert len(measured_rows(summary, summary, sim, old, in_sample=lambda hw: set())) == 1
