@@ -59,3 +59,21 @@ def test_measure_rejects_unknown_policy_before_starting_engines(tmp_path, exp_fi
                                     "--out", str(tmp_path / "o"), "--policy", "telepathy"])
     assert res.exit_code != 0 and "telepathy" in res.output and "kv_aware" in res.output
     assert not (tmp_path / "o" / "engines").exists()
+
+
+def test_measure_passes_the_load_signal_to_the_gateway(tmp_path):
+    """The experiment's load_signal reaches every gateway and the records, as the
+    simulator writes it, so a simulated and a measured row compare like for like."""
+    from kvroute.experiment import load_experiment
+    from kvroute.sim.run import simulate_experiment
+
+    raw = {**EXP, "load_signal": {"source": "scraped", "interval_ms": 50}, "runs": [{"hardware": "cpu", "policies": ["least_loaded"]}]}
+    p = tmp_path / "scraped.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["measure", str(p), "--hardware", "cpu", "--engine", "emulator", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    measured = pd.read_parquet(out / "requests.parquet")
+    assert (measured.load_signal == "scraped:50ms").all() and (measured.status == "ok").all()
+    simulate_experiment(load_experiment(p), tmp_path / "sim")
+    assert set(pd.read_parquet(tmp_path / "sim/requests.parquet").load_signal) == {"scraped:50ms"}

@@ -26,7 +26,7 @@ import pytest
 from kvroute.hardware import load_hardware
 from kvroute.live import text
 from kvroute.live.engines import running_engines, served_model_name
-from kvroute.live.metrics import parse_metrics
+from kvroute.live.metrics import parse_load, parse_metrics
 
 import engine_env  # noqa: E402  (tests/engine_env.py)
 
@@ -170,6 +170,14 @@ def test_turn_two_is_warm_on_the_same_worker_and_cold_on_the_other(engines):
     m = [parse_metrics(urllib.request.urlopen(u + "/metrics", timeout=10).read().decode()) for u in (a, b)]
     assert all("prefix_cache_hits" in m_i and "prefix_cache_queries" in m_i for m_i in m), m
     assert m[0]["prefix_cache_hits"] >= cached(warm["usage"]) and m[1]["prefix_cache_hits"] == 0
+
+
+def test_metrics_page_has_the_gauges_a_scraping_gateway_reads(engines):
+    """load_signal scraped reads these three gauges under vLLM 0.32's names (the emulator's too)."""
+    for u in engines.urls:
+        load = parse_load(urllib.request.urlopen(u + "/metrics", timeout=10).read().decode())
+        assert set(load) == {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}, load
+        assert 0.0 <= load["kv_cache_usage_perc"] <= 1.0
 
 
 def test_reset_prefix_cache_empties_the_cache(engines):

@@ -18,6 +18,7 @@ import yaml
 
 from kvroute.hardware import load_hardware
 from kvroute.live.peers import is_peer_spec, parse_peer_spec
+from kvroute.loadsignal import ROUTER, LoadSignal
 from kvroute.policies import make_policy
 from kvroute.yamlfile import load_yaml, read_yaml
 
@@ -46,6 +47,7 @@ class Experiment:
     workload: dict
     runs: tuple[tuple[str, tuple[str, ...]], ...]  # (hardware, policy specs)
     raw: dict
+    load_signal: LoadSignal = ROUTER
 
     def expand(
         self,
@@ -136,6 +138,15 @@ def load_experiment(path: str | Path) -> Experiment:
                     f"{path}: key workload.params.{key}: unknown parameter of generator "
                     f"{wl['generator']!r}; valid: {', '.join(sorted(valid))}"
                 )
+    try:
+        load_signal = LoadSignal.from_config(raw.get("load_signal"))
+    except ValueError as exc:  # the message starts with the key (load_signal.KEY: ...)
+        raise ExperimentError(f"{path}: key {exc}") from exc
+    if load_signal.source == "events" and raw.get("view", "auto") != "exact":
+        raise ExperimentError(
+            f"{path}: key load_signal.source: events delays the engines' KV events, which only the "
+            f"exact view reads; set view: exact (the file has view: {raw.get('view', 'auto')})"
+        )
     runs = []
     for i, run in enumerate(raw["runs"]):
         try:
@@ -157,4 +168,5 @@ def load_experiment(path: str | Path) -> Experiment:
         workload=raw["workload"],
         runs=tuple(runs),
         raw=raw,
+        load_signal=load_signal,
     )

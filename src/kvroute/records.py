@@ -44,6 +44,7 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
     "status": pa.string(),  # ok | error kind
     # extra columns (welcome by the contract)
     "view": pa.string(),  # exact | approx: what the router's prefix view read
+    "load_signal": pa.string(),  # router | scraped:Nms | events:Nms (kvroute.loadsignal); peer
     "seed": pa.int64(),
     "queue_ms": pa.float64(),  # engine receipt to first admission
     "preemptions": pa.int32(),

@@ -5,8 +5,8 @@ engines, one row per (experiment, hardware, policy, metric) that was measured; a
 production router's measured row is predicted by its kvroute counterpart
 (:func:`kvroute.policies.counterpart`). ``published.csv`` puts each published figure of
 the notes (``paper/reported/*.csv``) beside its prediction. Like for like: a simulated
-and a measured row stand side by side only when both routed with the same view (the
-records' ``view`` column); a mismatch is an error naming both.
+and a measured row stand side by side only when both routed with the same view and load
+signal (the records' ``view`` and ``load_signal`` columns); a mismatch is an error naming both.
 
 Columns: ``experiment, hardware, policy, metric, predicted, measured, measured_lo,
 measured_hi, rel_error, in_sample``. ``measured`` is the mean over rounds (or the
@@ -61,10 +61,13 @@ def _rel(predicted: float, lo: float, hi: float | None = None, difference: bool 
     return predicted / lo - 1 if lo else float("nan")
 
 
-def _views(requests: pd.DataFrame | None) -> dict[tuple[str, str, str], str]:
-    if requests is None or "view" not in requests:
+def _views(requests: pd.DataFrame | None, column: str = "view") -> dict[tuple[str, str, str], str]:
+    """``column``'s values per (experiment, hardware, policy); records written before the
+    column existed (or with it null) say nothing."""
+    if requests is None or column not in requests:
         return {}
-    v = requests.groupby(["experiment", "hardware", "policy"], sort=False)["view"].agg(lambda s: ",".join(sorted(set(s))))
+    known = requests[requests[column].notna()]
+    v = known.groupby(["experiment", "hardware", "policy"], sort=False)[column].agg(lambda s: ",".join(sorted(set(s))))
     return {k: str(x) for k, x in v.items()}
 
 
@@ -88,6 +91,7 @@ def measured_rows(
     if counterpart is None:
         from kvroute.policies import counterpart
     sim_view, meas_view = _views(sim_requests), _views(measured_requests)
+    sim_signal, meas_signal = _views(sim_requests, "load_signal"), _views(measured_requests, "load_signal")
     rows = []
     for (exp, hw, pol), m in measured.groupby(["experiment", "hardware", "policy"], sort=True):
         sim_pol = counterpart(pol) or pol
@@ -98,6 +102,10 @@ def measured_rows(
         if mv and sv and mv != "peer" and mv != sv:
             raise ValidationError(f"{exp} on {hw}: {pol} was measured with view {mv!r} but simulated ({sim_pol}) "
                                   f"with view {sv!r}; set the experiment's `view` so both read the same")
+        ml, sl = meas_signal.get((exp, hw, pol)), sim_signal.get((exp, hw, sim_pol))
+        if ml and sl and ml != "peer" and ml != sl:
+            raise ValidationError(f"{exp} on {hw}: {pol} was measured with load_signal {ml!r} but simulated "
+                                  f"({sim_pol}) with {sl!r}; both read the experiment's `load_signal`")
         fitted = exp in in_sample(hw)
         for metric in METRICS:
             if metric not in m or metric not in s:

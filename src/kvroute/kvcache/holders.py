@@ -16,7 +16,8 @@ that hash. Exact, like the pools; no clock, no randomness.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 
 
 class Holders:
@@ -66,3 +67,50 @@ class Holders:
                 gone ^= low
             m = nxt
         return out
+
+
+class LaggingHolders(Holders):
+    """:class:`Holders` as a router learns them from KV events that arrive ``delay_s`` late.
+
+    The pools report each change as it happens (``gain``/``drop``/``add``, as to plain
+    holders); the change is queued with the ``clock`` time and reaches ``mask`` only at
+    :meth:`catch_up` once ``delay_s`` has passed, in the order the pools made them. So
+    ``matched_blocks`` answers what the caches held ``delay_s`` ago: blocks cached since
+    are unknown, blocks evicted since still count. Per worker bit and hash, the pools
+    report gain and drop alternately, so applying them in order keeps ``mask`` and
+    ``sizes`` consistent. The pools must not write ``mask`` themselves
+    (:meth:`BlockPool.cache_full_blocks` inlines that only for plain :class:`Holders`).
+    """
+
+    def __init__(self, clock: Callable[[], float], delay_s: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.delay_s = delay_s
+        self.sizes: dict[int, int] = {}  # worker bit -> hashes it holds, as the router knows
+        self._pending: deque[tuple[float, int, int]] = deque()  # (time, +bit gain | -bit drop, hash)
+
+    def add(self, bit: int, hashes: Iterable[int]) -> None:
+        t = self.clock()
+        self._pending.extend((t, bit, h) for h in hashes)
+
+    def gain(self, bit: int, h: int) -> None:
+        self._pending.append((self.clock(), bit, h))
+
+    def drop(self, bit: int, h: int) -> None:
+        self._pending.append((self.clock(), -bit, h))
+
+    def catch_up(self) -> None:
+        """Apply every change at least ``delay_s`` old."""
+        pending = self._pending
+        if not pending:
+            return
+        cutoff = self.clock() - self.delay_s
+        mask, sizes = self.mask, self.sizes
+        while pending and pending[0][0] <= cutoff:
+            _, bit, h = pending.popleft()
+            if bit > 0:
+                mask[h] = mask.get(h, 0) | bit
+                sizes[bit] = sizes.get(bit, 0) + 1
+            else:
+                Holders.drop(self, -bit, h)
+                sizes[-bit] -= 1

@@ -298,8 +298,9 @@ class BlockPool:
 
     def cache_full_blocks(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """:meth:`cache_full_block` for pairs of blocks and hashes."""
-        bh, cached = self.block_hash, self.cached
-        mask = self.holders.mask if self.holders is not None else None
+        bh, cached, hold = self.block_hash, self.cached, self.holders
+        # Holders.gain, inlined for plain holders; a subclass (LaggingHolders) is told
+        mask = hold.mask if type(hold) is Holders else None
         for b, h in zip(blocks, hashes):
             if bh[b] is None:
                 if h in cached:
@@ -307,8 +308,10 @@ class BlockPool:
                 else:
                     bh[b] = h
                     cached[h] = b
-                    if mask is not None:  # Holders.gain, inlined
+                    if mask is not None:
                         mask[h] = mask.get(h, 0) | self.holder_bit
+                    elif hold is not None:
+                        hold.gain(self.holder_bit, h)
 
     def free_blocks(self, ordered_blocks: Sequence[int] | np.ndarray) -> None:
         """Drop one reference on each of distinct blocks; those reaching zero join the

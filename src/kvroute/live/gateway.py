@@ -97,6 +97,7 @@ from kvroute.live.prefix import (
     chat_text,
     completion_text,
 )
+from kvroute.live.metrics import scrape_load
 from kvroute.live.sessions import SessionStore
 from kvroute.live.upstream import Upstream, UpstreamPool
 from kvroute.live.view import (
@@ -106,6 +107,7 @@ from kvroute.live.view import (
     Flight,
     GatewayView,
 )
+from kvroute.loadsignal import ROUTER, SOURCES, LoadSignal
 from kvroute.policies import NoWorkerUpError, make_policy
 from kvroute.policies.base import RouteRequest
 
@@ -682,6 +684,11 @@ class Gateway:
         kv_block_size: the engines' KV block size in tokens.
         kv_topic / kv_replay: the engines' topic and replay endpoints (worker -> endpoint).
         kv_connect_timeout_s: how long ``start`` waits for every engine's publisher.
+        load_signal: where the view's load comes from (:mod:`kvroute.loadsignal`):
+            ``router`` (its own counters), ``scraped`` (each worker's /metrics every
+            ``interval_ms``, by a background task per worker) or ``events`` (KV events
+            applied ``delay_ms`` late; needs ``kv_events``).
+        kv_capacity_blocks: the engines' KV cache in blocks (scraped KV usage -> blocks).
         session_kwargs: extra :class:`SessionStore` arguments (tests).
         fast_front: serve proxied POSTs with :class:`_ClientConnection` (False: aiohttp
             serves every request, as the gateway's own handler; tests compare both).
@@ -718,8 +725,14 @@ class Gateway:
         kv_topic: str | dict[str, str] = "",
         kv_replay: dict[str, str] | None = None,
         kv_connect_timeout_s: float = 5.0,
+        load_signal: LoadSignal = ROUTER,
+        kv_capacity_blocks: int | None = None,
     ) -> None:
         pairs = [parse_worker(w) if isinstance(w, str) else tuple(w) for w in workers]
+        if load_signal.source == "events" and not kv_events:
+            raise ValueError("load_signal events delays the engines' KV events: give the gateway kv_events "
+                             "(kvroute measure starts the engines with them)")
+        self.load_signal = load_signal
         self.policy = make_policy(policy, np.random.default_rng(seed))
         self.hasher = PrefixHasher(block_chars, chars_per_token)
         self.exact_index: ExactPrefixIndex | None = None
@@ -736,7 +749,8 @@ class Gateway:
                 raise ValueError("KV events need the engines' tokenizer and KV block size")
             self.tokenizer = make_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
             self.exact_index = ExactPrefixIndex(names, kv_block_size)
-            self.kv_subscriber = KVEventSubscriber(self.exact_index, kv_events, kv_topic, kv_replay)
+            self.kv_subscriber = KVEventSubscriber(self.exact_index, kv_events, kv_topic, kv_replay,
+                                                   delay_s=load_signal.delay_s)
         self.sessions = SessionStore(redis_url, ttl_s=session_ttl_s, **(session_kwargs or {}))
         self.view = GatewayView(
             pairs,
@@ -749,6 +763,8 @@ class Gateway:
             index_ttl_s=index_ttl_s,
             index_capacity_blocks=index_capacity_blocks,
             exact_index=self.exact_index,
+            load_signal=load_signal,
+            kv_capacity_blocks=kv_capacity_blocks,
         )
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s or max(0.5, min(5.0, health_interval_s))
@@ -831,6 +847,9 @@ class Gateway:
         else:
             await web.SockSite(self._runner, sock).start()
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="gateway-health-probe"))
+        if self.view.scraped:
+            for name in self.view.workers:
+                self._tasks.append(asyncio.create_task(self._scrape_loop(name), name=f"gateway-scrape-{name}"))
         log.info(
             "gateway on %s: policy %s, workers %s, redis %s",
             self.url, self.policy.spec, [s.url for s in self.view.state.values()],
@@ -1125,6 +1144,13 @@ class Gateway:
         if self.exact_index is not None:
             for name, w in workers.items():
                 w["kv_events"] = self.exact_index.stats(name)
+        if v.scraped:
+            for s in v.state.values():
+                workers[s.name]["scraped"] = {
+                    "num_requests_running": s.scraped_running, "num_requests_waiting": s.scraped_waiting,
+                    "kv_cache_usage_perc": s.scraped_kv_usage, "scrapes": s.scrapes, "errors": s.scrape_errors,
+                    "age_s": None if s.scraped_at is None else v.clock() - s.scraped_at,
+                }
         up = any(s.up for s in v.state.values())
         body = {
             "status": "ok" if up else "no_worker_up",
@@ -1133,6 +1159,7 @@ class Gateway:
                 ("up" if self.sessions.redis_up else "down") if self.sessions.redis_enabled else "off"
             ),
             "view": "exact" if self.view.exact else "approx",
+            "load_signal": self.load_signal.label,
             "workers": workers,
         }
         return web.json_response(body, status=200 if up else 503)
@@ -1190,6 +1217,42 @@ class Gateway:
                 self._mark_down(name, why)
 
         await asyncio.gather(*(one(s.name, s.url) for s in self.view.state.values()))
+
+    # -- scraped load (load_signal scraped) ----------------------------------------------
+    async def scrape_once(self, worker: str) -> bool:
+        """GET the worker's /metrics and hand its load gauges to the view; False (the
+        view keeps the last scrape) when the page cannot be read."""
+        s = self.view.state[worker]
+        timeout = max(0.5, min(5.0, self.load_signal.interval_s))
+        try:
+            gauges = await scrape_load(self._client, s.url, timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            s.scrape_errors += 1
+            if s.scrape_errors == 1 or s.scrape_errors % 100 == 0:
+                log.warning("cannot scrape %s/metrics (%d failures): %r; its load stays as last scraped",
+                            s.url, s.scrape_errors, exc)
+            return False
+        self.view.apply_scrape(worker, gauges)
+        return True
+
+    async def _scrape_loop(self, worker: str) -> None:
+        """Scrape one worker every ``interval_ms``, on a fixed grid (a slow scrape does not
+        shift the later ones), from start on."""
+        loop = asyncio.get_running_loop()
+        period = self.load_signal.interval_s
+        due = loop.time()
+        while True:
+            try:
+                await self.scrape_once(worker)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the scraper die
+                log.exception("scraping %s failed", worker)
+            due += period
+            now = loop.time()
+            if due < now:  # fell behind: skip the missed ticks
+                due += -(-(now - due) // period) * period
+            await asyncio.sleep(due - now)
 
     def _close_idle(self) -> None:
         """Close fast-front-end client connections idle for ``_IDLE_CLOSE_S`` (dead peers)."""
@@ -1290,6 +1353,17 @@ def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
 @click.option("--kv-block-size", default=None, type=click.IntRange(min=1),
               help="With --kv-events: the engines' KV block size in tokens (vLLM: 16 on GPU, 128 on the CPU build).")
 @click.option("--kv-topic", default="", help="With --kv-events: the engines' event topic.")
+@click.option("--load-signal", "load_source", default="router", show_default=True,
+              type=click.Choice(SOURCES), help="Where the view's load comes from: the gateway's own counters, "
+              "each worker's /metrics scraped every --scrape-interval-ms, or KV events applied --events-delay-ms "
+              "late (with --kv-events).")
+@click.option("--scrape-interval-ms", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="With --load-signal scraped: the period of each worker's /metrics scrape.")
+@click.option("--events-delay-ms", default=None, type=click.FloatRange(min=0),
+              help="With --load-signal events: how late KV events reach the view.")
+@click.option("--kv-capacity-blocks", default=None, type=click.IntRange(min=1),
+              help="With --load-signal scraped: the engines' KV cache in blocks (kv_cache_usage_perc -> active "
+                   "blocks; default: the gateway's own block count).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policy's rng.")
 @click.option("--log-level", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
@@ -1300,7 +1374,8 @@ def gateway_command(
     decode_ms_per_running: float, max_num_seqs: int | None, decode_step_ms: float, health_interval_s: float,
     index_ttl_s: float,
     index_capacity_blocks: int | None, read_timeout_s: float, kv_events: tuple[str, ...], tokenizer: str | None,
-    kv_block_size: int | None, kv_topic: str, seed: int, log_level: str,
+    kv_block_size: int | None, kv_topic: str, load_source: str, scrape_interval_ms: float | None,
+    events_delay_ms: float | None, kv_capacity_blocks: int | None, seed: int, log_level: str,
 ) -> None:
     """Route OpenAI-compatible requests to WORKERs with a kvroute policy.
 
@@ -1319,6 +1394,14 @@ def gateway_command(
             raise ValueError("--kv-events needs --tokenizer (model folder or 'emulator') and --kv-block-size")
         if kv:
             make_tokenizer(tokenizer)  # a bad folder fails here, not on the first request
+        for flag, value, source in (("--scrape-interval-ms", scrape_interval_ms, "scraped"),
+                                    ("--events-delay-ms", events_delay_ms, "events")):
+            if (value is None) == (load_source == source):
+                raise ValueError(f"--load-signal {source} needs {flag}" if value is None
+                                 else f"{flag} applies to --load-signal {source} only")
+        signal = LoadSignal(load_source, interval_ms=scrape_interval_ms, delay_ms=events_delay_ms)
+        if signal.source == "events" and not kv:
+            raise ValueError("--load-signal events needs --kv-events")
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     run_gateway(
@@ -1330,6 +1413,7 @@ def gateway_command(
         health_interval_s=health_interval_s, index_ttl_s=index_ttl_s,
         index_capacity_blocks=index_capacity_blocks, read_timeout_s=read_timeout_s,
         kv_events=kv or None, tokenizer=tokenizer, kv_block_size=kv_block_size, kv_topic=kv_topic,
+        load_signal=signal, kv_capacity_blocks=kv_capacity_blocks,
     )
 
 

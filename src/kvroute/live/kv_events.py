@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -296,10 +297,17 @@ class KVEventSubscriber:
         endpoints: worker -> the endpoint in the engine's ``--kv-events-config``.
         topic: the engines' topic, or worker -> topic (a prefix filter; "" takes everything).
         replay: worker -> the engine's ``replay_endpoint`` (optional).
+        delay_s: apply each batch this long after it arrives (``load_signal`` events with
+            ``delay_ms``: the router's picture of the caches lags the engines), in
+            arrival order; 0 applies it at once.
     """
 
     def __init__(self, index: ExactPrefixIndex, endpoints: Mapping[str, str], topic: str | Mapping[str, str] = "",
-                 replay: Mapping[str, str] | None = None) -> None:
+                 replay: Mapping[str, str] | None = None, delay_s: float = 0.0) -> None:
+        if not (delay_s >= 0 and math.isfinite(delay_s)):
+            raise ValueError(f"KV event delay must be a finite number of seconds >= 0, got {delay_s!r}")
+        self.delay_s = float(delay_s)
+        self._stopped = False
         unknown = set(endpoints) - set(index.workers)
         if unknown:
             raise ValueError(f"KV events for unknown workers {sorted(unknown)}")
@@ -348,6 +356,7 @@ class KVEventSubscriber:
         return [w for w, e in self._connected.items() if not e.is_set()]
 
     async def stop(self) -> None:
+        self._stopped = True  # batches still held back by delay_s are dropped
         tasks, self._tasks = self._tasks, []
         for t in tasks:
             t.cancel()
@@ -376,14 +385,30 @@ class KVEventSubscriber:
             monitor.close(linger=0)
 
     async def _read(self, worker: str, sock) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             frames = await sock.recv_multipart()
+            if self.delay_s > 0:  # timers of one delay fire in arrival order
+                loop.call_later(self.delay_s, self._handle_late, worker, frames)
+                continue
             try:
                 missed = self._handle(worker, frames)
                 if missed is not None:
                     await self._replay(worker, missed, frames)
             except Exception:  # a malformed batch must not stop the reader
                 log.exception("KV event batch from %s could not be applied", worker)
+
+    def _handle_late(self, worker: str, frames: list[bytes]) -> None:
+        """Apply a batch ``delay_s`` after it arrived (a gap found then is replayed then)."""
+        if self._stopped:
+            return
+        try:
+            missed = self._handle(worker, frames)
+            if missed is not None:
+                self._tasks.append(asyncio.create_task(self._replay(worker, missed, frames),
+                                                       name=f"kv-events-replay-{worker}"))
+        except Exception:  # a malformed batch must not stop the others
+            log.exception("KV event batch from %s could not be applied", worker)
 
     def _handle(self, worker: str, frames: list[bytes], replayed: bool = False) -> int | None:
         """Apply one message; returns the first missed sequence number instead when a

@@ -527,6 +527,7 @@ def records_for(
     round: int,  # noqa: A002 - the contract's column name
     seed: int | None = None,
     view: str | None = None,
+    load_signal: str | None = None,
 ) -> list[dict]:
     """Rows of :func:`replay` as :mod:`kvroute.records` rows.
 
@@ -537,7 +538,8 @@ def records_for(
     if source not in SOURCES:
         raise ValueError(f"source must be one of {', '.join(SOURCES)} for a measurement, got {source!r}")
     common = {"source": source, "experiment": experiment, "hardware": hardware, "policy": policy,
-              "round": int(round), "seed": seed, "view": view}
+              "round": int(round), "seed": seed, "view": view,
+              "load_signal": load_signal}
     out = []
     for r in rows:
         rec = {**common, **{k: r.get(k) for k in REQUEST_COLUMNS if k in r}}

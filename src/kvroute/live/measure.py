@@ -8,7 +8,9 @@ generator, and stop the gateway. Records carry ``source`` = ``live`` for real en
 and ``emulated`` for the emulator; the gateway's prefix view is approximate (``view`` =
 ``approx``), or, with ``kv_events``, exact (``view`` = ``exact``): the engines publish
 their KV cache events and each gateway subscribes to them
-(:mod:`kvroute.live.kv_events`). Engines are always stopped, also on an error or Ctrl-C.
+(:mod:`kvroute.live.kv_events`). The experiment's ``load_signal`` goes to every gateway
+(records: ``load_signal``, as the simulator writes it; ``events`` turns the engines' KV
+events on). Engines are always stopped, also on an error or Ctrl-C.
 
 A production router's spec (``sglang_router:cache_aware``, ``vllm_router:consistent_hash``,
 ... see :mod:`kvroute.live.peers`) runs that router in the gateway's place, fronting
@@ -44,6 +46,7 @@ from kvroute.live.engines import EngineError, running_engines, served_model_name
 from kvroute.live.gateway import Gateway
 from kvroute.live.loadgen import WORKER_FIELD, LoadResult, records_for, run_load, write_results
 from kvroute.live.peers import PeerError, is_peer_spec, parse_peer_spec, routers_venv, running_peer
+from kvroute.loadsignal import ROUTER, LoadSignal
 from kvroute.policies import make_policy
 from kvroute.records import imbalance, write_csv
 from kvroute.sim.run import load_trace, trace_seed
@@ -55,7 +58,8 @@ UNKNOWN_WORKER = "unknown"
 PEER_VIEW = "peer"
 
 
-async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: str | None, **load_kwargs):
+async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: str | None,
+                          load_signal: LoadSignal = ROUTER, **load_kwargs):
     kv = {}
     if engines.kv_events:
         kv = {"kv_events": engines.kv_events, "kv_topic": engines.kv_topics, "tokenizer": engines.tokenizer,
@@ -65,6 +69,8 @@ async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: s
         spec,
         seed=seed,
         redis_url=redis_url,
+        load_signal=load_signal,
+        kv_capacity_blocks=hw.num_blocks,
         **_delay_model(hw),
         **kv,
     )
@@ -153,6 +159,10 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
                         time_limit_s, kv_events=False) -> pd.DataFrame:
     hw = load_hardware(hardware)
     runs = exp.expand(policies, hardware, rounds, round_, measured=True)
+    signal = exp.load_signal
+    if signal.source == "events" and not kv_events:
+        log.info("load_signal events: the engines publish KV events (as with --kv-events)")
+        kv_events = True
     for r in runs:  # bad specs (and a missing routers environment) fail before any engine starts
         if is_peer_spec(r.policy):
             parse_peer_spec(r.policy)
@@ -184,11 +194,12 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
             else:
                 result = asyncio.run(
                     _measure_policy(engines, hw, trace, run.policy, seed=exp.seed + run.round, redis_url=redis_url,
-                                    **kwargs)
+                                    load_signal=signal, **kwargs)
                 )
             records += records_for(result.rows, source=source, experiment=exp.name, hardware=hardware,
                                    policy=run.policy, round=run.round, seed=trace_seed(exp.seed, run.round),
-                                   view=PEER_VIEW if peer else "exact" if kv_events else "approx")
+                                   view=PEER_VIEW if peer else "exact" if kv_events else "approx",
+                                   load_signal=PEER_VIEW if peer else signal.label)
             workers[(exp.name, hardware, run.policy, run.round)] = list(engines.names)
             key = f"{run.policy} round {run.round}"
             client_cpu[key] = round(time.process_time() - cpu0, 3)
@@ -196,7 +207,8 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
             loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))
     summary = write_results(records, out, workers=workers,
                             extra={"engine": engine or hw.engine.kind, "cross_check": checks, "per_worker": loads,
-                                   "kv_events": kv_events, "cpu_affinity": affinity, "client_cpu_s": client_cpu})
+                                   "kv_events": kv_events, "cpu_affinity": affinity, "client_cpu_s": client_cpu,
+                                   "load_signal": signal.label})
     return _imbalance_from_metrics(summary, records, loads, out)
 
 

@@ -28,6 +28,14 @@ SAMPLES: dict[str, str] = {
     "vllm:num_requests_waiting": "num_requests_waiting",
     "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
 }
+#: the load gauges a scraping router reads (``load_signal`` scraped), under vLLM's names;
+#: vLLM's V0 engine called the KV usage ``gpu_cache_usage_perc`` (V1, 0.32 here: ``kv_cache_usage_perc``)
+LOAD_SAMPLES: dict[str, str] = {
+    "vllm:num_requests_running": "num_requests_running",
+    "vllm:num_requests_waiting": "num_requests_waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage_perc",
+}
 #: monotonic counters (their deltas mean something)
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success")
 
@@ -48,6 +56,46 @@ def parse_metrics(text: str, names: Mapping[str, str] = SAMPLES) -> dict[str, fl
             if key is not None:
                 out[key] = out.get(key, 0.0) + float(s.value)
     return out
+
+
+def parse_load(text: str) -> dict[str, float]:
+    """The :data:`LOAD_SAMPLES` gauges of a /metrics body, read line by line.
+
+    Why not :func:`parse_metrics`: a scraping gateway reads every engine's page every
+    ``interval_ms``, and vLLM's page is mostly histograms nobody here needs; parsing all
+    of it costs the gateway's event loop milliseconds per scrape. Request counts are
+    summed over label sets (engines); the KV usage fraction is their mean. A line that
+    does not parse is skipped; a gauge that is absent is left out.
+    """
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace, space = line.find("{"), line.find(" ")
+        labelled = 0 <= brace < space or (brace >= 0 and space < 0)
+        key = LOAD_SAMPLES.get(line[:brace] if labelled else line[:space])
+        if key is None:
+            continue
+        rest = line[line.rfind("}") + 1:] if labelled else line[space:]
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        sums[key] = sums.get(key, 0.0) + value
+        counts[key] = counts.get(key, 0) + 1
+    if "kv_cache_usage_perc" in sums:
+        sums["kv_cache_usage_perc"] /= counts["kv_cache_usage_perc"]
+    return sums
+
+
+async def scrape_load(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> dict[str, float]:
+    """GET ``base_url``/metrics and read its load gauges (:func:`parse_load`); raises on a
+    connection or HTTP error."""
+    url = base_url.rstrip("/") + "/metrics"
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        resp.raise_for_status()
+        return parse_load(await resp.text())
 
 
 async def scrape(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 10.0) -> dict[str, float]:

@@ -35,6 +35,18 @@ of them (vLLM always computes the last prompt token), times ``block_size``, the 
 KV block; ``index_size`` is that worker's cached blocks; the approximate index is not kept.
 The view is mutated only by the gateway between decisions (single event loop), so a
 policy always reads a consistent snapshot during ``choose``.
+
+Load signal (``load_signal``, :mod:`kvroute.loadsignal`): the counters above are
+``router``, the default. With ``scraped``, the gateway GETs each worker's /metrics every
+``interval_ms`` and hands the gauges to :meth:`GatewayView.apply_scrape`; until the next
+scrape ``in_flight`` is ``num_requests_running + num_requests_waiting``, ``waiting`` is
+``num_requests_waiting`` and ``active_blocks`` is ``kv_cache_usage_perc`` times
+``kv_capacity_blocks`` (the engines' KV blocks; without it, the gateway's own count).
+``queue_delay_s`` is the formula above over the scraped counts, the waiting requests'
+uncached tokens taken as ``num_requests_waiting`` times the mean uncached prompt of the
+requests routed to the worker (the gauges carry no token counts). Before a worker's
+first scrape its load reads 0. With ``events``, load stays the gateway's counters; only
+the KV events reach the exact index ``delay_ms`` late (:class:`KVEventSubscriber`).
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from dataclasses import dataclass
 
 from kvroute.kvcache.index import ApproxPrefixIndex
 from kvroute.live.kv_events import ExactPrefixIndex
+from kvroute.loadsignal import ROUTER, LoadSignal
 from kvroute.policies.base import RouteRequest
 
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-4  # ~0.1 ms/token: a 7B model's prefill on an A6000
@@ -65,7 +78,15 @@ class WorkerState:
     routed: int = 0  # requests routed here since start
     finished: int = 0  # requests over, and their output tokens (the mean reply length)
     output_tokens: int = 0
+    uncached_routed: int = 0  # uncached prompt tokens of every request routed here (their mean)
     down_since: float | None = None
+    # the last scrape of the worker's /metrics (load_signal scraped)
+    scraped_running: int = 0
+    scraped_waiting: int = 0
+    scraped_kv_usage: float | None = None
+    scraped_at: float | None = None  # clock time of the last successful scrape
+    scrapes: int = 0
+    scrape_errors: int = 0
 
 
 @dataclass(slots=True)
@@ -98,6 +119,10 @@ class GatewayView:
         clock: monotonic seconds.
         exact_index: the engines' KV-event index; makes the view exact (``block_size``
             is then the index's, the engines' KV block).
+        load_signal: where load comes from (module docstring); with ``scraped`` the
+            gateway calls :meth:`apply_scrape`.
+        kv_capacity_blocks: the engines' KV cache in blocks, to turn a scraped
+            ``kv_cache_usage_perc`` into ``active_blocks``.
     """
 
     exact = False
@@ -116,6 +141,8 @@ class GatewayView:
         index_capacity_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         exact_index: ExactPrefixIndex | None = None,
+        load_signal: LoadSignal = ROUTER,
+        kv_capacity_blocks: int | None = None,
     ) -> None:
         self.state: dict[str, WorkerState] = {}
         for name, url in workers:
@@ -140,6 +167,9 @@ class GatewayView:
                 raise ValueError(f"the KV-event index lacks workers {sorted(missing)}")
             self.exact = True  # the instance's truth; the class says approximate
             self.block_size = exact_index.block_size
+        self.load_signal = load_signal
+        self.scraped = load_signal.source == "scraped"
+        self.kv_capacity_blocks = kv_capacity_blocks
         self.session_lookup = session_lookup
         self.clock = clock
         self.now = clock()  # the decision time the index is read at; set by `snapshot`
@@ -157,21 +187,36 @@ class GatewayView:
         return self.state[worker].up
 
     def in_flight(self, worker: str) -> int:
-        return self.state[worker].in_flight
+        s = self.state[worker]
+        if self.scraped:
+            return s.scraped_running + s.scraped_waiting
+        return s.in_flight
 
     def waiting(self, worker: str) -> int:
         s = self.state[worker]
+        if self.scraped:
+            return s.scraped_waiting
         return s.in_flight - s.running
 
     def active_blocks(self, worker: str) -> int:
-        return self.state[worker].active_blocks
+        s = self.state[worker]
+        if self.scraped and s.scraped_kv_usage is not None and self.kv_capacity_blocks:
+            return round(s.scraped_kv_usage * self.kv_capacity_blocks)
+        return s.active_blocks
 
     def queue_delay_s(self, worker: str) -> float:
         s = self.state[worker]
-        delay = s.waiting_uncached_tokens * self.prefill_s_per_token + s.running * self.decode_s_per_running
+        if self.scraped:
+            mean_uncached = s.uncached_routed / s.routed if s.routed else 0.0
+            return self._delay(s, s.scraped_waiting * mean_uncached, s.scraped_running,
+                               s.scraped_running + s.scraped_waiting)
+        return self._delay(s, s.waiting_uncached_tokens, s.running, s.in_flight)
+
+    def _delay(self, s: WorkerState, waiting_tokens: float, running: int, in_flight: int) -> float:
+        delay = waiting_tokens * self.prefill_s_per_token + running * self.decode_s_per_running
         cap = self.max_num_seqs
-        if cap and s.in_flight >= cap and s.finished:
-            waves = -(-(s.in_flight + 1 - cap) // cap)
+        if cap and in_flight >= cap and s.finished:
+            waves = -(-(in_flight + 1 - cap) // cap)
             delay += waves * (s.output_tokens / s.finished) * self.decode_step_s
         return delay
 
@@ -218,6 +263,16 @@ class GatewayView:
         if self.exact_index is None:
             self.index.record(worker, request.block_hashes, self.now)
 
+    def apply_scrape(self, worker: str, gauges: dict[str, float]) -> None:
+        """Take a worker's load from one scrape of its /metrics (``metrics.parse_load``);
+        a gauge the page lacks keeps its last value."""
+        s = self.state[worker]
+        s.scraped_running = int(gauges.get("num_requests_running", s.scraped_running))
+        s.scraped_waiting = int(gauges.get("num_requests_waiting", s.scraped_waiting))
+        s.scraped_kv_usage = gauges.get("kv_cache_usage_perc", s.scraped_kv_usage)
+        s.scraped_at = self.clock()
+        s.scrapes += 1
+
     def begin(self, worker: str, request: RouteRequest, matched_tokens: int) -> Flight:
         """Count a request routed to ``worker``; returns its :class:`Flight`."""
         s = self.state[worker]
@@ -226,6 +281,7 @@ class GatewayView:
         blocks = -(-tokens // self.block_size)
         s.in_flight += 1
         s.routed += 1
+        s.uncached_routed += uncached
         s.waiting_uncached_tokens += uncached
         s.active_blocks += blocks
         return Flight(s, request.prompt_tokens, uncached, tokens, blocks)

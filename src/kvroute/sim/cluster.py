@@ -21,8 +21,9 @@ import simpy
 
 from kvroute.costmodel import StepTimeModel
 from kvroute.hardware import Hardware
-from kvroute.kvcache.holders import Holders
+from kvroute.kvcache.holders import Holders, LaggingHolders
 from kvroute.kvcache.index import ApproxPrefixIndex
+from kvroute.loadsignal import ROUTER, LoadSignal
 from kvroute.policies.base import Policy, RouteRequest
 from kvroute.sim.engine import Engine, EngineRequest
 from kvroute.sim.stream import ConversationStream
@@ -186,6 +187,76 @@ class SimView:
         return self.c.sessions.get(session_id)
 
 
+class Scrape:
+    """Each worker's /metrics gauges as of its last scrape (``load_signal`` scraped).
+
+    ``in_flight`` is ``num_requests_running + num_requests_waiting`` as the emulator
+    (the same engine in real time) exposes them: a request counts from the moment the
+    API server accepts it, its API-server delay included, as the router's own counter
+    does; ``used_blocks`` is ``kv_cache_usage_perc`` times the pool's blocks;
+    ``queue_delay_s`` is the engine's estimate (:meth:`Engine.queue_delay_s`) then.
+    """
+
+    __slots__ = ("in_flight", "running", "used_blocks", "queue_delay_s")
+
+    def __init__(self, n: int) -> None:
+        self.in_flight = [0] * n
+        self.running = [0] * n
+        self.used_blocks = [0] * n
+        self.queue_delay_s = [0.0] * n
+
+
+class ScrapedSimView(SimView):
+    """The view of a router that reads load from scraped engine metrics.
+
+    ``in_flight``, ``waiting``, ``active_blocks`` and ``queue_delay_s`` answer from the
+    last :class:`Scrape` of the worker, so every decision between two scrapes sees the
+    same, stale load; prefixes and sessions are as in :class:`SimView`.
+    """
+
+    def __init__(self, cluster: SimCluster, exact: bool, scrape: Scrape):
+        super().__init__(cluster, exact)
+        self.scrape = scrape
+
+    def in_flight(self, worker: str) -> int:
+        return self.scrape.in_flight[self._index[worker]]
+
+    def waiting(self, worker: str) -> int:
+        i = self._index[worker]
+        return self.scrape.in_flight[i] - self.scrape.running[i]
+
+    def active_blocks(self, worker: str) -> int:
+        return self.scrape.used_blocks[self._index[worker]]
+
+    def queue_delay_s(self, worker: str) -> float:
+        return self.scrape.queue_delay_s[self._index[worker]]
+
+
+class EventsSimView(SimView):
+    """The exact view of a router fed by KV events that arrive ``delay_ms`` late.
+
+    ``matched_tokens`` and ``index_size`` read :class:`LaggingHolders`, which the pools
+    tell of every change as it happens and which applies it ``delay_s`` later; load
+    (``in_flight``, ``waiting``, ``active_blocks``, ``queue_delay_s``) is as in
+    :class:`SimView`: KV events carry blocks, not queues.
+    """
+
+    def __init__(self, cluster: SimCluster, holders: LaggingHolders):
+        super().__init__(cluster, exact=True)
+        self.lagging = holders
+
+    def matched_tokens(self, worker: str, request: RouteRequest) -> int:
+        if request is not self._asked:
+            self.lagging.catch_up()
+            self._matched = self.lagging.matched_blocks(request.block_hashes, len(self.workers))
+            self._asked = request
+        return self._matched[self._index[worker]] * self.block_size
+
+    def index_size(self, worker: str) -> int:
+        self.lagging.catch_up()
+        return self.lagging.sizes.get(1 << self._index[worker], 0)
+
+
 class SimCluster:
     """One simulated run: a trace replayed through one policy on one hardware profile."""
 
@@ -196,10 +267,12 @@ class SimCluster:
         policy: Policy,
         common: np.random.Generator,
         exact: bool,
+        load_signal: LoadSignal = ROUTER,
     ) -> None:
         """``common`` is the round's common stream (``kvroute.sim.run.common_rng``): not
         the policy's, so that every policy run on ``trace`` sees the same draws. It is
-        read once, here, in trace order; nothing draws from it while the run routes."""
+        read once, here, in trace order (then, with a scraped ``load_signal``, one scrape
+        phase per worker); nothing draws from it while the run routes."""
         self.env = simpy.Environment()
         self.trace = trace
         self.hw = hw
@@ -218,7 +291,21 @@ class SimCluster:
         self.in_transit_tokens = [0] * len(self.workers)
         self.sessions: dict[str, str] = {}
         self.index = ApproxPrefixIndex(self.workers, hw.engine.block_size, capacity_blocks_per_worker=hw.num_blocks)
-        self.view = SimView(self, exact)
+        self.load_signal = load_signal
+        self.scrape: Scrape | None = None
+        self.scrape_phase_s: list[float] = []
+        if load_signal.source == "scraped":
+            self.scrape = Scrape(len(self.workers))
+            self.view: SimView = ScrapedSimView(self, exact, self.scrape)
+        elif load_signal.source == "events":
+            if not exact:
+                raise ValueError("load_signal events delays the engines' KV events, which only the exact view reads")
+            lag = LaggingHolders(lambda: self.env.now, load_signal.delay_s)
+            for i, e in enumerate(self.engines):
+                e.pool.share_holders(lag, 1 << i)
+            self.view = EventsSimView(self, lag)
+        else:
+            self.view = SimView(self, exact)
         self.pending: dict[int, Pending] = {}
         self.rows: list[dict] = []
         self._next_rid = 0
@@ -227,6 +314,8 @@ class SimCluster:
         hi = (c.api_overhead_ms + c.api_jitter_ms) * 1e-3
         #: API-server delay of every request, ``[conversation index][turn]``, in seconds
         self.api_delay_s = api_delays(trace, lo, hi, common)
+        if self.scrape is not None:  # unsynchronised scrapers: worker i's first scrape at phase i
+            self.scrape_phase_s = (common.random(len(self.workers)) * load_signal.interval_s).tolist()
 
     # -- device sharing -----------------------------------------------------------
     def device_load_changed(self, driver: WorkerDriver) -> None:
@@ -296,6 +385,20 @@ class SimCluster:
         )
         p.done.succeed()
 
+    # -- scraped load -----------------------------------------------------------------
+    def _scraper(self, i: int, total: int):
+        """Sample worker ``i``'s gauges every ``interval_ms`` from its phase on, until
+        every request of the trace has finished (then the run can end)."""
+        env, eng, s, rows = self.env, self.engines[i], self.scrape, self.rows
+        period = self.load_signal.interval_s
+        yield env.timeout(self.scrape_phase_s[i])
+        while len(rows) < total:
+            s.in_flight[i] = self.in_flight[i]
+            s.running[i] = len(eng.running)
+            s.used_blocks[i] = eng.pool.num_used_blocks
+            s.queue_delay_s[i] = eng.queue_delay_s(self.in_transit_tokens[i])
+            yield env.timeout(period)
+
     # -- clients --------------------------------------------------------------------
     def _conversation(self, conv: Conversation, index: int):
         stream = ConversationStream(conv.system_id, conv.system_tokens, self.hw.engine.block_size)
@@ -329,6 +432,10 @@ class SimCluster:
         else:
             for index, conv in convs:
                 self.env.process(self._open_arrival(conv, index))
+        if self.scrape is not None:
+            total = sum(len(c.turns) for c in self.trace.conversations)
+            for i in range(len(self.workers)):
+                self.env.process(self._scraper(i, total))
         self.env.run()
         if self.pending:
             raise RuntimeError(f"simulation ended with {len(self.pending)} requests unfinished")

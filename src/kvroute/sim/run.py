@@ -10,7 +10,8 @@ policies' records is the policies' doing. Round ``r`` of an experiment with seed
   the round;
 - its common stream from :func:`common_rng` ``(s, r)``: the API-server jitter, one
   uniform per (conversation, turn) drawn in trace order before the run starts
-  (``kvroute.sim.cluster.api_delays``); any new non-policy randomness belongs here;
+  (``kvroute.sim.cluster.api_delays``), then, with a scraped ``load_signal``, each
+  worker's scrape phase; any new non-policy randomness belongs here;
 - the policy's own randomness (``random``, tie-breaks) from :func:`policy_rng`
   ``(s, r, hardware, policy)``. That stream stays per policy on purpose: what a
   policy draws is part of the policy, and two specs that draw differently should.
@@ -76,14 +77,15 @@ def simulate_run(exp: Experiment, run: Run, trace: Trace) -> tuple[list[dict], d
     hw = load_hardware(run.hardware)
     policy = make_policy(run.policy, policy_rng(exp, run))
     exact = policy.default_exact if exp.view == "auto" else exp.view == "exact"
-    cluster = SimCluster(trace, hw, policy, common_rng(exp.seed, run.round), exact)
+    cluster = SimCluster(trace, hw, policy, common_rng(exp.seed, run.round), exact, exp.load_signal)
     t0 = time.perf_counter()
     rows = cluster.run()
     wall = time.perf_counter() - t0
     seed = trace_seed(exp.seed, run.round)
     common = {
         "source": "sim", "experiment": run.experiment, "hardware": run.hardware,
-        "policy": run.policy, "round": run.round, "view": "exact" if exact else "approx", "seed": seed,
+        "policy": run.policy, "round": run.round, "view": "exact" if exact else "approx",
+        "load_signal": exp.load_signal.label, "seed": seed,
     }
     rows = [{**common, **r} for r in sorted(rows, key=lambda r: (r["arrival_s"], r["conversation"], r["turn"]))]
     sim_s = max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows) if rows else 0.0
