@@ -148,8 +148,8 @@ def test_open_loop_sends_at_the_arrivals():
     for r in rows:
         start = 0.15 * int(r["conversation"][1:])
         assert r["arrival_s"] >= start
-        if r["turn"] == 0:
-            assert r["arrival_s"] < start + 0.05
+        if r["turn"] == 0:  # on time within 0.1 s (a loaded 2-core machine ran 68 ms late once), before the next arrival
+            assert r["arrival_s"] < start + 0.1
     t0 = {r["conversation"]: r for r in rows if r["turn"] == 0}
     for r in rows:
         if r["turn"] == 1:
