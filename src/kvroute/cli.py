@@ -130,12 +130,24 @@ def merge(dirs: tuple[Path, ...], out: Path) -> None:
               help="A measurement folder (summary.csv, requests.parquet); repeatable.")
 @click.option("--reported", type=click.Path(exists=True, file_okay=False, path_type=Path), default=Path("paper/reported"),
               show_default=True, help="Folder of the published figures (*.csv).")
+@click.option("--coefficients", "coefficients", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Coefficient entries the simulations used instead of hardware/coefficients.yaml (simulate --coefficients); "
+                   "their provenance says what is in sample. Repeatable.")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for summary.csv and published.csv.")
-def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path, out: Path) -> None:
+def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path, coefficients: tuple[Path, ...], out: Path) -> None:
     """Every prediction beside its measurement (summary.csv) and published value (published.csv)."""
+    import functools
+
     import pandas as pd
 
-    from kvroute.analysis.validation import ValidationError, headline, measured_rows, published_rows, read_reported
+    from kvroute.analysis.validation import (
+        ValidationError,
+        headline,
+        in_sample_experiments,
+        measured_rows,
+        published_rows,
+        read_reported,
+    )
     from kvroute.records import write_csv
 
     def read(dirs: tuple[Path, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -148,8 +160,9 @@ def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path,
     sim, sim_req = read(sims)
     meas, meas_req = read(measured)
     try:
-        summary = measured_rows(sim, meas, sim_req, meas_req)
-        published = published_rows(sim, read_reported(reported))
+        in_sample = functools.partial(in_sample_experiments, coefficients=coefficients)
+        summary = measured_rows(sim, meas, sim_req, meas_req, in_sample=in_sample)
+        published = published_rows(sim, read_reported(reported), in_sample=in_sample)
     except ValidationError as exc:
         raise click.ClickException(str(exc)) from exc
     out.mkdir(parents=True, exist_ok=True)

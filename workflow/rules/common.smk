@@ -197,6 +197,7 @@ LIVE_SOURCES = _sources(
     "src/kvroute/experiment.py",
 )
 CALIBRATE_SOURCES = SIM_SOURCES + _sources("src/kvroute/calibrate.py", "src/kvroute/experiment.py")
+PROBE_SOURCES = LIVE_SOURCES + _sources("src/kvroute/calibrate*.py", "src/kvroute/probefit.py", "src/kvroute/gpufit.py", "src/kvroute/costmodel.py")
 MANIFEST_SOURCES = _sources("src/kvroute/pipeline.py")
 ANALYSIS_SOURCES = _sources("src/kvroute/analysis/*.py")  # what the notebooks import
 
@@ -228,6 +229,27 @@ def get_workload_inputs(wildcards):
 
 def get_hardware_files(wildcards):
     return [f"hardware/{wildcards.hardware}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"]
+
+
+def get_probe_hardware():
+    """Measured CPU hardware calibrated by probes (measure.probe), none while measuring is off."""
+    if not (is_measure_enabled() and config["measure"].get("probe", True)):
+        return []
+    return get_measure_hardware(cpu=True)
+
+
+def probe_result(hardware):
+    base = f"{RESULTS}/calibration/probe/{hardware}"
+    return [f"{base}.yaml", f"{base}.csv"]
+
+
+def get_sim_coefficients(wildcards):
+    """The probe calibration a simulation of this hardware uses (empty: hardware/coefficients.yaml)."""
+    return probe_result(wildcards.hardware)[:1] if wildcards.hardware in get_probe_hardware() else []
+
+
+def get_sim_coefficients_arg(wildcards, input):
+    return f"--coefficients {input.coefficients[0]}" if input.coefficients else ""
 
 
 @functools.cache
@@ -358,6 +380,7 @@ def get_validation_inputs():
         "measure": [f for exp, hw in get_measure_runs() for f in measure_result(exp, hw)],
         "reported": sorted(glob.glob("paper/reported/*.csv")),
         "coefficients": "hardware/coefficients.yaml",
+        "probes": [probe_result(hw)[0] for hw in get_probe_hardware()],
         "code": VALIDATION_SOURCES,
     }
 
@@ -394,7 +417,9 @@ def get_analysis_inputs(notebook):
         "code": ANALYSIS_SOURCES,
         "sim": [f for name in a["sim"] for f in sim_result(name)],
         "measure": [f for exp, hw in get_measure_runs() if exp in a["measure"] for f in measure_result(exp, hw)],
-        "calibration": [f for exp, hw in get_calibration_runs() if exp in a["measure"] for f in calibration_result(exp, hw)],
+        "calibration": [f for exp, hw in get_calibration_runs() if exp in a["measure"] for f in calibration_result(exp, hw)]
+                       + [f for hw in get_probe_hardware() if any(exp in a["measure"] for exp, h in get_measure_runs() if h == hw)
+                          for f in probe_result(hw)],
         "extra": extra,
     }
 
@@ -466,7 +491,8 @@ def get_sim_targets():
 
 def get_measure_targets():
     measured = [f for exp, hw in get_measure_runs() for f in measure_result(exp, hw)]
-    return measured + [f for exp, hw in get_calibration_runs() for f in calibration_result(exp, hw)]
+    probes = [f for hw in get_probe_hardware() for f in probe_result(hw)]
+    return measured + probes + [f for exp, hw in get_calibration_runs() for f in calibration_result(exp, hw)]
 
 
 def get_figure_targets():

@@ -79,11 +79,41 @@ rule measure_cpu:
         "kvroute -v measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} {params.rounds} > {log:q} 2>&1"
 
 
+rule probe:
+    # `kvroute calibrate --probe`: the CPU profile's engines started and profiled with probe
+    # requests of their own (prefill cold and warm, decode by batch and context, the API
+    # server's cost), the family's coefficients fitted with their errors (docs/costmodel.md).
+    # It reads no experiment; the simulations of this hardware use its output
+    # (measure.probe), so they are predictions of the measurements.
+    input:
+        hardware=lambda wildcards: [f"hardware/{wildcards.phw}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"],
+        sources=PROBE_SOURCES,
+        model=rules.tiny_model.output,
+    output:
+        coefficients="results/calibration/probe/{phw}.yaml",
+        observations="results/calibration/probe/{phw}.csv",
+    wildcard_constraints:
+        phw=_alternation(get_probe_hardware()),
+    threads: workflow.cores  # the whole machine, as a measurement
+    resources:
+        mem_mb=12000,
+        runtime=30,
+        measure_slot=1,
+    log:
+        "results/logs/calibrate/probe/{phw}.log",
+    benchmark:
+        "results/benchmarks/calibrate/probe/{phw}.tsv"
+    conda:
+        "../../envs/engine-cpu.yaml"
+    shell:
+        "kvroute -v calibrate --probe --hardware {wildcards.phw:q} --out {output.coefficients:q} > {log:q} 2>&1"
+
+
 rule calibrate:
     # `kvroute calibrate`: the hardware family's step-time coefficients fitted to a measured
-    # run (measure.runs[].calibrate), by replaying its workload through the simulator. It
-    # writes a coefficients.yaml entry and the errors before and after; hardware/ is never
-    # edited (adopting a fit is a reviewed change, docs/costmodel.md).
+    # run (measure.runs[].calibrate), by replaying its workload through the simulator: in
+    # sample, for comparison only. It writes a coefficients.yaml entry and the errors before
+    # and after; hardware/ is never edited and no simulation uses it (docs/costmodel.md).
     input:
         experiment=get_measure_experiment,
         hardware=get_measure_hardware_files,

@@ -9,6 +9,7 @@ rule simulate:
         experiment="config/experiments/{exp}.yaml",
         trace=rules.workload.output.trace,
         hardware=get_hardware_files,
+        coefficients=get_sim_coefficients,  # the probe calibration of measured CPU hardware (measure.probe)
         sources=SIM_SOURCES,
     output:
         requests="results/sim/{exp}/{hardware}/{policy}/round{round}/requests.parquet",
@@ -17,6 +18,7 @@ rule simulate:
     params:
         spec=get_policy_spec,
         out=output_dir("requests"),
+        coefficients=get_sim_coefficients_arg,
     log:
         "results/logs/simulate/{exp}/{hardware}/{policy}/round{round}.log",
     benchmark:
@@ -25,7 +27,7 @@ rule simulate:
         "../../envs/simulation.yaml"
     shell:
         "kvroute simulate {input.experiment:q} --trace {input.trace:q} --hardware {wildcards.hardware:q}"
-        " --policy {params.spec:q} --round {wildcards.round} --out {params.out:q} > {log:q} 2>&1"
+        " --policy {params.spec:q} --round {wildcards.round} --out {params.out:q} {params.coefficients} > {log:q} 2>&1"
 
 
 rule merge:

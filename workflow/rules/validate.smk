@@ -16,6 +16,7 @@ rule validate:
         sims=lambda wildcards, input: " ".join(f"--sim {d}" for d in sorted({str(Path(p).parent) for p in input.sim})),
         measured=lambda wildcards, input: " ".join(f"--measured {d}" for d in sorted({str(Path(p).parent) for p in input.measure})),
         reported=lambda wildcards, input: str(Path(input.reported[0]).parent),
+        probes=lambda wildcards, input: " ".join(f"--coefficients {p}" for p in input.probes),
         out=output_dir("summary"),
     log:
         f"{RESULTS}/logs/validate.log",
@@ -24,4 +25,4 @@ rule validate:
     conda:
         "../../envs/analysis.yaml"
     shell:
-        "kvroute validate {params.sims} {params.measured} --reported {params.reported:q} --out {params.out:q} > {log:q} 2>&1"
+        "kvroute validate {params.sims} {params.measured} {params.probes} --reported {params.reported:q} --out {params.out:q} > {log:q} 2>&1"

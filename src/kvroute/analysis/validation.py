@@ -39,12 +39,19 @@ class ValidationError(ValueError):
     """Predicted and measured rows that are not the same experiment."""
 
 
-def in_sample_experiments(hardware: str) -> set[str]:
-    """Experiments the hardware family's coefficients were fitted to (their provenance says)."""
+def in_sample_experiments(hardware: str, coefficients: tuple[Path, ...] = ()) -> set[str]:
+    """Experiments the hardware family's coefficients were fitted to (their provenance's
+    ``in_sample_for``): from the first of ``coefficients`` (files of entries the simulation
+    used instead, ``kvroute simulate --coefficients``) that has the family, else from
+    ``hardware/coefficients.yaml``."""
     from kvroute.hardware import hardware_dir, load_hardware
     from kvroute.yamlfile import read_yaml
 
     family = load_hardware(hardware).coefficients_name
+    for f in coefficients:
+        entries = read_yaml(f) or {}
+        if family in entries:
+            return set((entries[family].get("provenance") or {}).get("in_sample_for") or ())
     entry = read_yaml(hardware_dir() / "coefficients.yaml")[family]
     return set((entry.get("provenance") or {}).get("in_sample_for") or ())
 
