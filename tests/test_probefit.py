@@ -157,3 +157,26 @@ def test_probe_calibration_takes_no_experiment(tmp_path):
     assert res.exit_code != 0 and "--probe" in res.output
     res = runner.invoke(main, ["calibrate", "--hardware", "nonesuch", "--probe", "--out", str(tmp_path / "f.yaml")])
     assert res.exit_code != 0 and "nonesuch" in res.output
+
+
+def test_a_coefficient_the_probes_cannot_pin_down_is_flagged():
+    # every decode step as long as the step overhead alone: no cost per sequence, so the
+    # per-sequence overhead runs to its lower bound
+    reqs = synthetic_requests()
+    m0 = model_at(HW, TRUTH | {"mem_efficiency": 1e3, "per_seq_overhead_ms": 0.0})
+    for r in reqs:
+        if r.phase == "decode" and r.engine:
+            r.engine = r.engine | {"itl_s": r.engine["itl_tokens"] * m0.step_time(1, 1)}
+    fit = fit_probes(reqs, HW)
+    assert "lower bound" in fit.probed["not_identified"]["per_seq_overhead_ms"]
+    assert "compute_efficiency" not in fit.probed["not_identified"]
+    assert "not_identified" not in fit_probes(synthetic_requests(), HW).probed
+
+
+def test_the_stated_errors_include_the_spread_between_repetitions():
+    fit = fit_probes(synthetic_requests(noise=0.05, seed=4), HW)
+    assert fit.probed["usable"]["jackknife_blocks"] == HW.workers * PLAN.repetitions
+    for k in FITTED:
+        # (the provenance rounds to 2 digits)
+        assert fit.errors[k] >= fit.probed["se_fit"][k] * 0.95 and fit.errors[k] >= fit.probed["se_jackknife"][k] * 0.95
+        assert fit.probed["se_jackknife"][k] > 0

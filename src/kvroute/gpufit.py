@@ -160,12 +160,16 @@ def fit_least_squares(residuals, x0, lo, hi) -> tuple[np.ndarray, np.ndarray]:
 
     The errors come from the Jacobian at the optimum, scaled by the residual variance
     (sum of squares over the degrees of freedom): they say how well the observations pin
-    each coefficient down, assuming independent residuals of one common spread.
+    each coefficient down, assuming independent residuals of one common spread. A
+    coefficient no residual depends on at the optimum (a zero Jacobian column: its term
+    never binds) has no standard error: NaN, not the pseudo-inverse's 0.
     """
     res = least_squares(residuals, x0, bounds=(lo, hi), x_scale="jac")
     dof = max(1, res.fun.size - len(x0))
     cov = np.linalg.pinv(res.jac.T @ res.jac) * float(res.fun @ res.fun) / dof
-    return res.x, np.sqrt(np.clip(np.diag(cov), 0.0, None))
+    se = np.sqrt(np.clip(np.diag(cov), 0.0, None))
+    flat = np.linalg.norm(res.jac, axis=0) <= 1e-12 * max(1.0, float(np.abs(res.jac).max(initial=0.0)))
+    return res.x, np.where(flat, np.nan, se)
 
 
 def fit_gpus(path: Path | None = None) -> GpuFit:

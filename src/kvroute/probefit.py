@@ -279,7 +279,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
         vals = np.array([j[k] for j in jack])
         n = vals.size
         se_jack[k] = float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2))) if n >= 3 else math.nan
-    se = {k: max(se_fit[k], se_jack[k]) if math.isfinite(se_jack[k]) else se_fit[k] for k in est}
+    se = {k: max((v for v in (se_fit[k], se_jack[k]) if math.isfinite(v)), default=math.nan) for k in est}
 
     budget = hw.engine.max_num_batched_tokens
     coef = {k: est[k] for k in FITTED}
@@ -307,6 +307,18 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     info["usable"] = {"api": len(s.api), "prefill": sum(len(v) for v in s.prefill.values()),
                       "decode_batches": sum(len(v) for v in s.decode.values()),
                       "failed": sum(1 for r in s.rows if r["error"]), "jackknife_blocks": len(jack)}
+    # a coefficient the fit pushed to a bound, or whose term never binds (no Jacobian se), is
+    # not pinned down by the probes: say so (its stated se is then the jackknife's)
+    loose = {}
+    for k in (*FITTED, ADMISSION):
+        lo_k, hi_k = BOUNDS[k][:2]
+        tol = 1e-4 * (hi_k - lo_k)
+        if est[k] <= lo_k + tol or est[k] >= hi_k - tol:
+            loose[k] = f"at its {'lower' if est[k] <= lo_k + tol else 'upper'} bound: not pinned down by the probes"
+        elif not math.isfinite(se_fit[k]):
+            loose[k] = "no probe depends on it at the optimum (its roofline term never binds): not pinned down"
+    if loose:
+        info["not_identified"] = loose
     info["se_fit"] = {k: _sig(se_fit[k], 2) for k in FITTED}
     info["se_jackknife"] = {k: _sig(se_jack[k], 2) for k in FITTED}
     return ProbeFit(hw.name, hw.coefficients_name, coefficients, errors, obs, predicted, s.rows, measured, info)
