@@ -180,3 +180,12 @@ def test_the_stated_errors_include_the_spread_between_repetitions():
         # (the provenance rounds to 2 digits)
         assert fit.errors[k] >= fit.probed["se_fit"][k] * 0.95 and fit.errors[k] >= fit.probed["se_jackknife"][k] * 0.95
         assert fit.probed["se_jackknife"][k] > 0
+
+
+def test_a_loaded_machine_is_named_in_the_provenance():
+    fit = fit_probes(synthetic_requests(), HW, {"cores": 2, "load_average_before": [7.5, 6.0, 5.0],
+                                                "load_average_after": [1.0, 1.0, 1.0]})
+    assert "7.5 on 2 cores" in coefficient_entry(fit, HW)[HW.coefficients_name]["provenance"]["warning"]
+    quiet = fit_probes(synthetic_requests(), HW, {"cores": 2, "load_average_before": [0.5, 0.4, 0.3],
+                                                  "load_average_after": [1.2, 1.0, 0.9]})
+    assert "warning" not in coefficient_entry(quiet, HW)[HW.coefficients_name]["provenance"]

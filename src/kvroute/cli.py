@@ -244,7 +244,7 @@ def _calibrate_probe(hardware: str, out: Path, repetitions: int, api_probes: int
     from kvroute.hardware import load_hardware
     from kvroute.live.engines import EngineError
     from kvroute.live.probe import ProbePlan, run_probe
-    from kvroute.probefit import coefficient_entry, fit_probes, plan_facts, write_probe_fit
+    from kvroute.probefit import coefficient_entry, fit_probes, load_warning, plan_facts, write_probe_fit
 
     try:
         hw = load_hardware(hardware)
@@ -260,6 +260,9 @@ def _calibrate_probe(hardware: str, out: Path, repetitions: int, api_probes: int
     click.echo("\n".join(result.residual_lines()))
     click.echo(f"{result.family}: " + ", ".join(f"{k} {v:.3g} ± {result.errors[k]:.2g}"
                                                 for k, v in result.coefficients.items()))
+    warning = load_warning(result.probed)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
     click.echo(f"wrote {out} and {out.with_suffix('.csv')}")
 
 

@@ -358,9 +358,21 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "activation_reserve_gb is kept from the profile's entry: the cpu profile gives its KV budget directly",
         ],
         "rms_log_error": _sig(fit.rms_log_error()),
+        **({"warning": w} if (w := load_warning(fit.probed)) else {}),
         "residuals": fit.residual_lines(),
     }
     return {fit.family: entry}
+
+
+def load_warning(probed: dict) -> str:
+    """A warning when the machine ran more than one job per core during the probe: the step
+    times, and the API server's cost most of all, then carry other jobs' contention."""
+    cores = probed.get("cores") or 0
+    loads = [max(probed.get(k) or [0.0]) for k in ("load_average_before", "load_average_after")]
+    if cores and max(loads) > cores:
+        return (f"the machine was loaded (load average up to {max(loads):.1f} on {cores} cores): the timings carry "
+                f"other jobs' contention; the API cost varies most with it between calibrations")
+    return ""
 
 
 def plan_facts(plan: ProbePlan, hw: Hardware) -> dict:
