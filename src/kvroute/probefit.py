@@ -115,7 +115,7 @@ def collect(requests: Iterable[ProbeRequest]) -> Samples:
     s = Samples()
     groups: dict[tuple[str, int], list[ProbeRequest]] = {}
     for r in requests:
-        row = r.row() | {"kind": "", "measured_ms": math.nan, "context": math.nan, "used": False}
+        row = r.row() | {"kind": r.phase, "measured_ms": math.nan, "context": math.nan, "used": False}
         ok = not r.error
         if r.phase == "api" and ok:
             api = r.ttft_ms - 1e3 * (r.engine["queue_s"] + r.engine["prefill_s"])
@@ -128,8 +128,6 @@ def collect(requests: Iterable[ProbeRequest]) -> Samples:
         elif r.phase == "decode":
             groups.setdefault((r.worker, r.group), []).append(r)
             continue
-        elif r.phase in ("warmup", "decode_prefix"):
-            row["kind"] = r.phase
         s.rows.append(row)
     for (_, _), streams in groups.items():
         first = streams[0]
