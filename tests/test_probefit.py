@@ -189,3 +189,26 @@ def test_a_loaded_machine_is_named_in_the_provenance():
     quiet = fit_probes(synthetic_requests(), HW, {"cores": 2, "load_average_before": [0.5, 0.4, 0.3],
                                                   "load_average_after": [1.2, 1.0, 0.9]})
     assert "warning" not in coefficient_entry(quiet, HW)[HW.coefficients_name]["provenance"]
+
+
+def test_a_saved_probe_table_fits_the_same():
+    from kvroute.live.probe import ProbeRequest as PR
+
+    fit = fit_probes(synthetic_requests(noise=0.05, seed=5), HW)
+    rows = observation_table(fit)
+    again = [PR.from_row(r) for r in rows[rows["level"] == "probe"].to_dict("records")]
+    refit = fit_probes(again, HW)
+    for k in (*FITTED, "api_overhead_ms", "api_jitter_ms"):
+        assert refit.coefficients[k] == pytest.approx(fit.coefficients[k], rel=1e-3), k
+
+
+def test_workers_that_differ_widen_the_stated_errors():
+    reqs = synthetic_requests(noise=0.02, seed=6)
+    base = fit_probes(reqs, HW)
+    for r in reqs:  # worker w1's engine runs every step 30% slower
+        if r.worker == "w1":
+            r.engine = {k: (v * 1.3 if k.endswith("_s") and k != "queue_s" else v) for k, v in r.engine.items()}
+    slow = fit_probes(reqs, HW)
+    assert set(slow.probed["per_process"]) == {f"session 0 {w}" for w in HW.worker_names}
+    assert slow.errors["step_overhead_ms"] > 2 * base.errors["step_overhead_ms"]
+    assert slow.errors["step_overhead_ms"] >= slow.probed["se_processes"]["step_overhead_ms"] * 0.95

@@ -200,16 +200,18 @@ def fit_gpu(measurements: Path | None, out: Path) -> None:
               help="YAML file for the fitted coefficients (a hardware/coefficients.yaml entry); OUT.csv gets every observation.")
 @click.option("--probe", is_flag=True,
               help="Start the profile's engines and fit to probe requests of its own; reads no experiment (no EXPERIMENT, MEASURED).")
-@click.option("--repetitions", type=click.IntRange(min=1), default=3, show_default=True,
-              help="--probe: repetitions of every prefill and decode probe, per worker.")
+@click.option("--sessions", type=click.IntRange(min=1), default=2, show_default=True,
+              help="--probe: times the engines are started afresh (the spread between engine processes is part of the errors).")
+@click.option("--repetitions", type=click.IntRange(min=1), default=2, show_default=True,
+              help="--probe: repetitions of every probe, per worker and session.")
 @click.option("--api-probes", type=click.IntRange(min=3), default=24, show_default=True,
-              help="--probe: minimal requests per worker for the API server's cost.")
+              help="--probe: minimal requests per worker and session for the API server's cost.")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
               help="--probe: the model the engines serve (default: as `kvroute measure` finds it).")
 @click.option("--fit", "fit", multiple=True, help="Replay fit: coefficient to fit (repeatable; default: compute_efficiency, step_overhead_ms, api_overhead_ms).")
 @click.option("--max-evaluations", type=click.IntRange(min=4), default=200, show_default=True, help="Replay fit: bound on simulations of the search.")
-def calibrate(experiment: Path | None, measured: Path | None, hardware: str, out: Path, probe: bool, repetitions: int,
-              api_probes: int, model_dir: Path | None, fit: tuple[str, ...], max_evaluations: int) -> None:
+def calibrate(experiment: Path | None, measured: Path | None, hardware: str, out: Path, probe: bool, sessions: int,
+              repetitions: int, api_probes: int, model_dir: Path | None, fit: tuple[str, ...], max_evaluations: int) -> None:
     """Fit HARDWARE's step-time coefficients (docs/costmodel.md).
 
     With --probe: profile the live engines with probe requests and fit to them, never
@@ -221,7 +223,7 @@ def calibrate(experiment: Path | None, measured: Path | None, hardware: str, out
     if probe:
         if experiment is not None or measured is not None or fit:
             raise click.UsageError("--probe reads no experiment: drop EXPERIMENT, MEASURED and --fit")
-        _calibrate_probe(hardware, out, repetitions, api_probes, model_dir)
+        _calibrate_probe(hardware, out, sessions, repetitions, api_probes, model_dir)
         return
     if experiment is None or measured is None:
         raise click.UsageError("give EXPERIMENT and MEASURED (a replay fit), or --probe")
@@ -240,7 +242,8 @@ def calibrate(experiment: Path | None, measured: Path | None, hardware: str, out
     click.echo(f"wrote {out} and {out.with_suffix('.csv')}")
 
 
-def _calibrate_probe(hardware: str, out: Path, repetitions: int, api_probes: int, model_dir: Path | None) -> None:
+def _calibrate_probe(hardware: str, out: Path, sessions: int, repetitions: int, api_probes: int,
+                     model_dir: Path | None) -> None:
     from kvroute.hardware import load_hardware
     from kvroute.live.engines import EngineError
     from kvroute.live.probe import ProbePlan, run_probe
@@ -250,7 +253,7 @@ def _calibrate_probe(hardware: str, out: Path, repetitions: int, api_probes: int
         hw = load_hardware(hardware)
         if hw.engine.kind == "emulator":
             raise ValueError(f"hardware {hardware!r} runs the emulator: there is no engine to probe")
-        plan = ProbePlan(api_probes=api_probes, repetitions=repetitions)
+        plan = ProbePlan(api_probes=api_probes, sessions=sessions, repetitions=repetitions)
         requests, facts = run_probe(hw, out.parent / f"{out.stem}-engines", plan, model_dir=model_dir)
         result = fit_probes(requests, hw, plan_facts(plan, hw) | facts)
     except (EngineError, ValueError) as exc:

@@ -245,11 +245,14 @@ def _estimate(s: Samples, obs: list[Observation], hw: Hardware) -> tuple[dict[st
 def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | None = None) -> ProbeFit:
     """Fit ``hw``'s family to probe ``requests`` (see the module docstring).
 
-    Standard errors: the larger of the fit's own (the Jacobian's, or the bootstrap's for
-    the API cost) and a delete-one-block jackknife over the probe's blocks (a worker's
+    Standard errors: the largest of the fit's own (the Jacobian's, or the bootstrap's for
+    the API cost); a delete-one-block jackknife over the probe's blocks (a worker's
     repetition: probes sent in one stretch of time), which carries what changes between
-    stretches, above all the load other jobs put on shared cores, and so says how far a
-    second calibration may land. Both are in the provenance.
+    stretches, above all the load other jobs put on shared cores; and a leave-one-process-out
+    jackknife over the engine processes (each worker in each session of
+    :func:`~kvroute.live.probe.run_probe`), which carries what differs between processes
+    (each one's own share of the machine), drawn afresh by every calibration. The last two say how far a second
+    calibration may land; all three are in the provenance.
 
     Raises:
         ValueError: too few usable probes for a fit (named by phase).
@@ -261,11 +264,11 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     api = np.asarray(s.api)
     se_fit |= {"api_cost_ms": bootstrap_se(api, np.median), "api_jitter_ms": bootstrap_se(api, _iqr)}
     se_fit["api_overhead_ms"] = math.hypot(se_fit["api_cost_ms"], se_fit[ADMISSION])
-    blocks = sorted({(r.worker, r.rep) for r in requests if r.phase in ("api", "prefill", "decode")})
+    blocks = sorted({(r.session, r.worker, r.rep) for r in requests if r.phase in ("api", "prefill", "decode")})
     jack: list[dict[str, float]] = []
     if len(blocks) >= 3:
         for b in blocks:
-            sb = collect([r for r in requests if (r.worker, r.rep) != b])
+            sb = collect([r for r in requests if (r.session, r.worker, r.rep) != b])
             ob = observations(sb)
             try:
                 _check(sb, ob)
@@ -277,7 +280,27 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
         vals = np.array([j[k] for j in jack])
         n = vals.size
         se_jack[k] = float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2))) if n >= 3 else math.nan
-    se = {k: max((v for v in (se_fit[k], se_jack[k]) if math.isfinite(v)), default=math.nan) for k in est}
+    # each engine process (a worker in one session) has its own share of the machine, drawn
+    # afresh by every calibration: the spread between processes' own fits is the run-to-run
+    # part (leave one process out)
+    workers = sorted({(r.session, r.worker) for r in requests})
+    per_worker: list[dict[str, float]] = []
+    if len(workers) >= 2:
+        for w in workers:
+            sw = collect([r for r in requests if (r.session, r.worker) == w])
+            ow = observations(sw)
+            try:
+                _check(sw, ow)
+            except ValueError:
+                continue
+            per_worker.append(_estimate(sw, ow, hw)[0])
+    se_workers = {}
+    for k in est:
+        vals = np.array([j[k] for j in per_worker])
+        n = vals.size
+        se_workers[k] = float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2))) if n >= 2 else math.nan
+    se = {k: max((v for v in (se_fit[k], se_jack[k], se_workers[k]) if math.isfinite(v)), default=math.nan)
+          for k in est}
 
     budget = hw.engine.max_num_batched_tokens
     coef = {k: est[k] for k in FITTED}
@@ -293,7 +316,8 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
                                                       row["measured_ms"]), m, budget)
         elif row["kind"] == "api":
             row["predicted_ms"] = est["api_cost_ms"]
-    measured = {k: {"value": est[k], "se": se[k], "se_fit": se_fit[k], "se_jackknife": se_jack[k]}
+    measured = {k: {"value": est[k], "se": se[k], "se_fit": se_fit[k], "se_jackknife": se_jack[k],
+                    "se_processes": se_workers[k]}
                 for k in ("api_cost_ms", ADMISSION, "api_overhead_ms", "api_jitter_ms")}
     measured["api_cost_mean_ms"] = {"value": float(api.mean()), "se": float(api.std(ddof=1) / math.sqrt(api.size))}
     if s.per_token:
@@ -319,6 +343,9 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
         info["not_identified"] = loose
     info["se_fit"] = {k: _sig(se_fit[k], 2) for k in FITTED}
     info["se_jackknife"] = {k: _sig(se_jack[k], 2) for k in FITTED}
+    info["se_processes"] = {k: _sig(se_workers[k], 2) for k in FITTED}
+    info["per_process"] = {f"session {s_} {w}": {k: _sig(v) for k, v in e.items()}
+                           for (s_, w), e in zip(workers, per_worker)} if len(per_worker) == len(workers) else {}
     return ProbeFit(hw.name, hw.coefficients_name, coefficients, errors, obs, predicted, s.rows, measured, info)
 
 
@@ -344,8 +371,9 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
         "probed": fit.probed,
         "fitted": {k: {"value": _sig(c[k]), "se": _sig(fit.errors[k], 2)} for k in FITTED},
         "measured": {k: {"value": _sig(v["value"]), "se": _sig(v["se"], 2)} for k, v in fit.measured.items()},
-        "uncertainty": ("se is the larger of the fit's own (Jacobian; bootstrap for the API cost) and a "
-                        "delete-one-block jackknife over (worker, repetition) blocks of probes"),
+        "uncertainty": ("se is the largest of the fit's own (Jacobian; bootstrap for the API cost), a "
+                        "delete-one-block jackknife over (worker, repetition) blocks of probes and a "
+                        "leave-one-engine-process-out jackknife (a worker in one session: what differs between processes)"),
         "notes": [
             "api_cost_ms is the median, api_jitter_ms the interquartile range, of (client TTFT - engine queue "
             "- engine prefill) over the minimal probes (bootstrap se); admission_ms is what a request's prefill "
@@ -366,16 +394,16 @@ def load_warning(probed: dict) -> str:
     """A warning when the machine ran more than one job per core during the probe: the step
     times, and the API server's cost most of all, then carry other jobs' contention."""
     cores = probed.get("cores") or 0
-    loads = [max(probed.get(k) or [0.0]) for k in ("load_average_before", "load_average_after")]
+    loads = [(probed.get(k) or [0.0])[0] for k in ("load_average_before", "load_average_after")]  # 1-minute
     if cores and max(loads) > cores:
-        return (f"the machine was loaded (load average up to {max(loads):.1f} on {cores} cores): the timings carry "
+        return (f"the machine was loaded (1-minute load average up to {max(loads):.1f} on {cores} cores): the timings carry "
                 f"other jobs' contention; the API cost varies most with it between calibrations")
     return ""
 
 
 def plan_facts(plan: ProbePlan, hw: Hardware) -> dict:
     """What the probe sends, for the provenance: counts and ranges."""
-    return {"requests_per_worker": plan.count(hw.engine.max_num_seqs), "workers": hw.workers,
+    return {"requests_per_worker": plan.count(hw.engine.max_num_seqs) * plan.sessions, "workers": hw.workers,
             "plan": plan.to_dict(hw.engine.max_num_seqs)}
 
 

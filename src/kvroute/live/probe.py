@@ -5,7 +5,8 @@ the engines directly, on work it chooses, through their OpenAI API (streaming,
 temperature 0, ``ignore_eos``, a fixed ``max_tokens``), and reads the engines' own
 /metrics beside the client's clock. Every prompt is a single user message of words
 from :mod:`kvroute.live.text` keyed by a per-probe name, so no two probes share a KV
-block unless a phase repeats a prompt on purpose. Per worker: two warm-up requests
+block unless a phase repeats a prompt on purpose. The engines are started ``sessions``
+times (each worker is then several engine processes). Per worker and session: two warm-up requests
 whose timings are dropped (the first request allocates), then ``repetitions`` times
 every kind of probe below (the API probes spread over the repetitions), so that a
 repetition is one stretch of time:
@@ -41,7 +42,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import aiohttp
 
@@ -77,7 +78,8 @@ class ProbePlan:
     api_probes: int = 24
     api_words: int = 4
     prefill_words: tuple[int, ...] = (128, 384, 768, 1152, 1536, 2000, 2500, 3000)
-    repetitions: int = 3  # of every prefill and decode probe; the API probes are spread over them
+    sessions: int = 2  # times the engines are started afresh (each worker a new engine process)
+    repetitions: int = 2  # per session, of every probe kind; the API probes are spread over them
     prefill_tokens: int = 4  # tokens out of a prefill probe (only its first token is timed)
     decode_batches: tuple[int, ...] | None = None  # default: 1 .. max_num_seqs
     decode_words: tuple[int, ...] = (128, 2000)
@@ -85,8 +87,8 @@ class ProbePlan:
     decode_suffix_words: int = 8  # each stream's own words after the shared prefix
 
     def __post_init__(self) -> None:
-        if self.api_probes < 3 or self.repetitions < 1:
-            raise ValueError("a probe plan needs at least 3 API probes and one repetition")
+        if self.api_probes < 3 or self.repetitions < 1 or self.sessions < 1:
+            raise ValueError("a probe plan needs at least 3 API probes, one session and one repetition")
         if self.decode_tokens < 8:
             raise ValueError(f"decode_tokens {self.decode_tokens}: a decode window needs at least 8 tokens")
         if any(n < 1 for n in (*self.prefill_words, *self.decode_words, self.api_words)):
@@ -99,7 +101,7 @@ class ProbePlan:
         return b
 
     def count(self, max_num_seqs: int) -> int:
-        """Requests per worker, warm-up included."""
+        """Requests per worker and session, warm-up included."""
         batches = self.batches(max_num_seqs)
         return (2 + self.api_probes + 2 * self.repetitions * len(self.prefill_words)
                 + self.repetitions * len(self.decode_words) * (sum(batches) + len(batches)))
@@ -124,6 +126,7 @@ class ProbeRequest:
     batch: int = 1  # concurrent streams it ran among (decode)
     group: int = -1  # the decode batch it belongs to
     rep: int = 0  # the repetition (a block of probes sent in one stretch of time)
+    session: int = 0  # which start of the engines it ran on
     warm: bool = False  # a repeat of the previous prompt (prefill)
     sent_s: float = math.nan
     token_s: list[float] = field(default_factory=list)  # arrival of every streamed token (client clock; tokens of one chunk share it)
@@ -146,6 +149,27 @@ class ProbeRequest:
         d["token_ms"] = json.dumps([round((t - self.sent_s) * 1e3, 3) for t in self.token_s])
         return d
 
+    @classmethod
+    def from_row(cls, row: dict) -> ProbeRequest:
+        """The request a :meth:`row` came from (times relative to its sending; to the
+        microsecond): a saved probe table can be fitted again."""
+        names = {f.name for f in fields(cls)} - {"token_s", "engine", "sent_s"}
+        kw = {k: row[k] for k in names if k in row}
+        for k in ("words", "max_tokens", "batch", "group", "rep", "session", "suffix_words", "prompt_tokens",
+                  "cached_tokens", "output_tokens"):
+            if k in kw:
+                kw[k] = int(kw[k])
+        kw["warm"] = str(kw.get("warm")).lower() == "true"
+        kw["prefix"] = "" if kw.get("prefix") is None or kw.get("prefix") != kw.get("prefix") else str(kw["prefix"])
+        kw["error"] = "" if kw.get("error") is None or kw.get("error") != kw.get("error") else str(kw["error"])
+        engine = {}
+        for k in PROBE_SAMPLES.values():
+            col = f"engine_{k}" if k in COUNTS else f"engine_{k}_ms"
+            v = row.get(col)
+            if v is not None and v == v:
+                engine[k] = float(v) if k in COUNTS else float(v) / 1e3
+        return cls(**kw, sent_s=0.0, token_s=[t / 1e3 for t in json.loads(row["token_ms"])], engine=engine)
+
 
 def _progress_disabled() -> bool:
     return bool(os.environ.get("CI")) or not sys.stderr.isatty()
@@ -154,14 +178,14 @@ def _progress_disabled() -> bool:
 class _Progress:
     """One line on stderr, rewritten: requests done of all, seconds so far (quiet under CI)."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.t0 = total, 0, time.monotonic()
+    def __init__(self, total: int, label: str = "probe") -> None:
+        self.total, self.done, self.t0, self.label = total, 0, time.monotonic(), label
         self.quiet = _progress_disabled()
 
     def step(self, n: int = 1) -> None:
         self.done += n
         if not self.quiet:
-            print(f"\rprobe: {self.done}/{self.total} requests, {time.monotonic() - self.t0:.0f} s",
+            print(f"\r{self.label}: {self.done}/{self.total} requests, {time.monotonic() - self.t0:.0f} s",
                   end="", file=sys.stderr, flush=True)
 
     def close(self) -> None:
@@ -173,10 +197,11 @@ class WorkerProber:
     """Sends one worker's probe schedule (see the module docstring) and keeps every request."""
 
     def __init__(self, session: aiohttp.ClientSession, name: str, url: str, model: str, plan: ProbePlan,
-                 max_num_seqs: int, nonce: str, progress: _Progress) -> None:
+                 max_num_seqs: int, nonce: str, progress: _Progress, engine_session: int = 0) -> None:
         self.session, self.name, self.url, self.model = session, name, url.rstrip("/"), model
         self.plan, self.max_num_seqs, self.nonce, self.progress = plan, max_num_seqs, nonce, progress
         self.requests: list[ProbeRequest] = []
+        self.engine_session = engine_session
         self._groups = 0
         self._last: dict[str, float] | None = None  # the counters after the previous probe
 
@@ -253,6 +278,7 @@ class WorkerProber:
                                            group=group, rep=rep) for j in range(b)])
 
     def _keep(self, req: ProbeRequest) -> None:
+        req.session = self.engine_session
         self.requests.append(req)
         self.progress.step()
 
@@ -298,18 +324,18 @@ class WorkerProber:
 
 
 async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, plan: ProbePlan,
-                        max_num_seqs: int, nonce: str = "") -> list[ProbeRequest]:
-    """Run ``plan`` on every worker side by side; every request, in order per worker.
+                        max_num_seqs: int, nonce: str = "", session: int = 0) -> list[ProbeRequest]:
+    """Run one session of ``plan`` on every worker side by side; every request, in order per worker.
 
     Raises:
         EngineError: a worker cannot be reached, or its /metrics lacks the histograms.
     """
-    progress = _Progress(plan.count(max_num_seqs) * len(urls))
+    progress = _Progress(plan.count(max_num_seqs) * len(urls), f"probe session {session + 1}/{plan.sessions}")
     nonce = nonce or f"{time.time_ns():x}"
     connector = aiohttp.TCPConnector(limit=0)
     try:
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-            probers = [WorkerProber(session, n, u, model, plan, max_num_seqs, nonce, progress)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
+            probers = [WorkerProber(http, n, u, model, plan, max_num_seqs, nonce, progress, session)
                        for n, u in zip(names, urls)]
             results = await asyncio.gather(*(p.run() for p in probers))
     except aiohttp.ClientError as exc:
@@ -321,25 +347,33 @@ async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, p
 
 def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = None,
               model_dir=None, python: str | None = None) -> tuple[list[ProbeRequest], dict]:
-    """Start ``hw``'s engines (only ours, on 127.0.0.1), probe them with ``plan``, stop them.
+    """Start ``hw``'s engines (only ours, on 127.0.0.1), probe them with ``plan``, stop them;
+    ``plan.sessions`` times, each in a folder of ``run_dir``, so that every worker is several
+    engine processes (what differs between processes differs between calibrations too).
 
-    Returns every probe request and the facts of the run (start-up and probe seconds,
-    the machine's load average before and after: the cores may be shared).
+    Returns every probe request and the facts of the run (start-up and probe seconds per
+    session, the machine's load average before and after: the cores may be shared).
     """
+    from pathlib import Path
+
     from kvroute.live.engines import running_engines, served_model_name
 
     plan = plan or ProbePlan()
     kind = kind or hw.engine.kind
     if kind == "emulator":
         raise EngineError("the probe calibrates real engines; the emulator runs the simulator's own step times")
-    facts: dict = {"load_average_before": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count()}
-    t0 = time.monotonic()
-    with running_engines(hw, run_dir=run_dir, kind=kind, host="127.0.0.1", model_dir=model_dir,
-                         python=python) as eng:
-        t1 = time.monotonic()
-        requests = asyncio.run(probe_workers(eng.names, eng.urls, served_model_name(hw), plan,
-                                             hw.engine.max_num_seqs))
-        t2 = time.monotonic()
-    facts |= {"startup_s": round(t1 - t0, 1), "probe_s": round(t2 - t1, 1),
-              "load_average_after": [round(x, 2) for x in os.getloadavg()]}
+    facts: dict = {"load_average_before": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count(),
+                   "startup_s": [], "probe_s": []}
+    requests: list[ProbeRequest] = []
+    for session in range(plan.sessions):
+        t0 = time.monotonic()
+        with running_engines(hw, run_dir=Path(run_dir) / f"session{session}", kind=kind, host="127.0.0.1",
+                             model_dir=model_dir, python=python) as eng:
+            t1 = time.monotonic()
+            requests += asyncio.run(probe_workers(eng.names, eng.urls, served_model_name(hw), plan,
+                                                  hw.engine.max_num_seqs, session=session))
+            t2 = time.monotonic()
+        facts["startup_s"].append(round(t1 - t0, 1))
+        facts["probe_s"].append(round(t2 - t1, 1))
+    facts["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     return requests, facts
