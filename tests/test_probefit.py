@@ -212,3 +212,18 @@ def test_workers_that_differ_widen_the_stated_errors():
     assert set(slow.probed["per_process"]) == {f"session 0 {w}" for w in HW.worker_names}
     assert slow.errors["step_overhead_ms"] > 2 * base.errors["step_overhead_ms"]
     assert slow.errors["step_overhead_ms"] >= slow.probed["se_processes"]["step_overhead_ms"] * 0.95
+
+
+def test_sessions_are_kept_apart():
+    # a second start of the engines numbers its batches from 0 again: they must not merge
+    import copy
+
+    one = synthetic_requests(noise=0.02, seed=7)
+    two = copy.deepcopy(synthetic_requests(noise=0.02, seed=8))
+    for r in two:
+        r.session = 1
+    fit = fit_probes(one + two, HW)
+    assert fit.probed["usable"]["decode_batches"] == 2 * sum(1 for r in one if r.phase == "decode" and r.engine)
+    assert fit.probed["usable"]["failed"] == 0
+    assert len(fit.probed["per_process"]) == 2 * HW.workers
+    assert fit.probed["usable"]["jackknife_blocks"] == 2 * HW.workers * PLAN.repetitions

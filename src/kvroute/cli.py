@@ -255,9 +255,18 @@ def _calibrate_probe(hardware: str, out: Path, sessions: int, repetitions: int, 
             raise ValueError(f"hardware {hardware!r} runs the emulator: there is no engine to probe")
         plan = ProbePlan(api_probes=api_probes, sessions=sessions, repetitions=repetitions)
         requests, facts = run_probe(hw, out.parent / f"{out.stem}-engines", plan, model_dir=model_dir)
-        result = fit_probes(requests, hw, plan_facts(plan, hw) | facts)
     except (EngineError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
+    try:
+        result = fit_probes(requests, hw, plan_facts(plan, hw) | facts)
+    except ValueError as exc:  # keep what was measured: the table can be read and fitted again
+        import pandas as pd
+
+        from kvroute.records import write_atomic
+
+        table = pd.DataFrame([r.row() for r in requests])
+        write_atomic(out.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))
+        raise click.ClickException(f"{exc}; every probe is in {out.with_suffix('.csv')}") from exc
     entry = coefficient_entry(result, hw)
     write_probe_fit(result, entry, out)
     click.echo("\n".join(result.residual_lines()))

@@ -113,7 +113,7 @@ def collect(requests: Iterable[ProbeRequest]) -> Samples:
     """Turn probe requests into samples; requests with an error are kept as rows, unused
     (a decode batch is one sample, on its first request's row)."""
     s = Samples()
-    groups: dict[tuple[str, int], list[ProbeRequest]] = {}
+    groups: dict[tuple[int, str, int], list[ProbeRequest]] = {}  # (session, worker, batch)
     for r in requests:
         row = r.row() | {"kind": r.phase, "measured_ms": math.nan, "context": math.nan, "used": False}
         ok = not r.error
@@ -126,10 +126,10 @@ def collect(requests: Iterable[ProbeRequest]) -> Samples:
             s.prefill.setdefault((r.words, r.warm), []).append((ms, r.prompt_tokens, r.cached_tokens))
             row |= {"kind": "prefill", "measured_ms": ms, "context": r.cached_tokens, "used": True}
         elif r.phase == "decode":
-            groups.setdefault((r.worker, r.group), []).append(r)
+            groups.setdefault((r.session, r.worker, r.group), []).append(r)
             continue
         s.rows.append(row)
-    for (_, _), streams in groups.items():
+    for streams in groups.values():
         first = streams[0]
         n = first.max_tokens
         ok = all(not r.error for r in streams) and first.engine.get("itl_tokens") == len(streams) * (n - 1)
