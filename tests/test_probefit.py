@@ -209,7 +209,7 @@ def test_workers_that_differ_widen_the_stated_errors():
         if r.worker == "w1":
             r.engine = {k: (v * 1.3 if k.endswith("_s") and k != "queue_s" else v) for k, v in r.engine.items()}
     slow = fit_probes(reqs, HW)
-    assert set(slow.probed["per_process"]) == {f"session 0 {w}" for w in HW.worker_names}
+    assert set(slow.probed["without_process"]) == {f"session 0 {w}" for w in HW.worker_names}
     assert slow.errors["step_overhead_ms"] > 2 * base.errors["step_overhead_ms"]
     assert slow.errors["step_overhead_ms"] >= slow.probed["se_processes"]["step_overhead_ms"] * 0.95
 
@@ -225,5 +225,5 @@ def test_sessions_are_kept_apart():
     fit = fit_probes(one + two, HW)
     assert fit.probed["usable"]["decode_batches"] == 2 * sum(1 for r in one if r.phase == "decode" and r.engine)
     assert fit.probed["usable"]["failed"] == 0
-    assert len(fit.probed["per_process"]) == 2 * HW.workers
+    assert len(fit.probed["without_process"]) == 2 * HW.workers
     assert fit.probed["usable"]["jackknife_blocks"] == 2 * HW.workers * PLAN.repetitions

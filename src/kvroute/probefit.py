@@ -282,12 +282,12 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
         se_jack[k] = float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2))) if n >= 3 else math.nan
     # each engine process (a worker in one session) has its own share of the machine, drawn
     # afresh by every calibration: the spread between processes' own fits is the run-to-run
-    # part (leave one process out)
+    # part (leave one process out: with two processes, half the difference of their own fits)
     workers = sorted({(r.session, r.worker) for r in requests})
     per_worker: list[dict[str, float]] = []
     if len(workers) >= 2:
         for w in workers:
-            sw = collect([r for r in requests if (r.session, r.worker) == w])
+            sw = collect([r for r in requests if (r.session, r.worker) != w])
             ow = observations(sw)
             try:
                 _check(sw, ow)
@@ -344,7 +344,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     info["se_fit"] = {k: _sig(se_fit[k], 2) for k in FITTED}
     info["se_jackknife"] = {k: _sig(se_jack[k], 2) for k in FITTED}
     info["se_processes"] = {k: _sig(se_workers[k], 2) for k in FITTED}
-    info["per_process"] = {f"session {s_} {w}": {k: _sig(v) for k, v in e.items()}
+    info["without_process"] = {f"session {s_} {w}": {k: _sig(v) for k, v in e.items()}
                            for (s_, w), e in zip(workers, per_worker)} if len(per_worker) == len(workers) else {}
     return ProbeFit(hw.name, hw.coefficients_name, coefficients, errors, obs, predicted, s.rows, measured, info)
 
