@@ -74,3 +74,36 @@ def test_unknown_generator_parameter_is_named(tmp_path):
 def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "kvroute.cli", "simulate", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--policy" in out.stdout
+
+
+def test_simulate_uses_the_coefficients_file_and_records_it(tmp_path):
+    import json
+
+    import pandas as pd
+
+    from kvroute.hardware import load_hardware
+
+    exp = _write(tmp_path, GOOD | {"runs": [{"hardware": "cpu", "policies": ["round_robin"]}]})
+    base = load_hardware("cpu").coefficients
+    slow = dict(base.__dict__) | {"step_overhead_ms": base.step_overhead_ms * 4, "api_overhead_ms": 200.0,
+                                  "api_jitter_ms": 0.0}
+    coef = tmp_path / "fit.yaml"
+    coef.write_text(yaml.safe_dump({load_hardware("cpu").coefficients_name: slow | {"provenance": {"method": "test"}}}))
+    assert _run("simulate", exp, "--out", tmp_path / "a").exit_code == 0
+    res = _run("simulate", exp, "--out", tmp_path / "b", "--coefficients", coef)
+    assert res.exit_code == 0, res.output
+    a, b = (pd.read_parquet(tmp_path / d / "requests.parquet") for d in "ab")
+    assert (b["ttft_ms"] >= 200.0).all() and (a["ttft_ms"] < 200.0).any()  # every request waited the file's API cost
+    info = json.loads((tmp_path / "b/run.json").read_text())["coefficients"]["cpu"]
+    assert info["file"] == str(coef) and info["values"]["api_overhead_ms"] == 200.0
+    assert json.loads((tmp_path / "a/run.json").read_text())["coefficients"]["cpu"]["file"].endswith("coefficients.yaml")
+
+
+def test_simulate_names_a_coefficients_file_without_the_family(tmp_path):
+    coef = tmp_path / "fit.yaml"
+    coef.write_text(yaml.safe_dump({"cpu-provisional": {"mem_efficiency": 0.5}}))
+    res = _run("simulate", _write(tmp_path, GOOD), "--out", tmp_path / "o", "--coefficients", coef)
+    assert res.exit_code != 0 and "gpu-a6000" in res.output and "cpu-provisional" in res.output
+    res = _run("simulate", _write(tmp_path, GOOD), "--out", tmp_path / "o", "--hardware", "cpu", "--coefficients", coef)
+    assert res.exit_code != 0 and "malformed" in res.output
+    assert not (tmp_path / "o").exists()  # nothing ran

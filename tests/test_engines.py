@@ -125,6 +125,7 @@ def test_vllm_cpu_command_has_the_documented_flags_and_environment(tmp_path):
     assert value("--max-model-len") == str(CPU_MAX_MODEL_LEN) == "4096"
     assert value("--dtype") == hw.engine.dtype == "float32"
     assert value("--max-num-seqs") == "4"
+    assert value("--max-num-batched-tokens") == str(hw.engine.max_num_batched_tokens) == "2048"  # vLLM CPU's default
     assert value("--kv-cache-memory-bytes") == "268435456"
     for flag in ("--enable-prefix-caching", "--enforce-eager", "--enable-prompt-tokens-details"):
         assert flag in args

@@ -80,13 +80,16 @@ def main(verbose: bool) -> None:
 @click.option("--hardware", help="Run every policy on this hardware profile instead.")
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Replay this trace (from `kvroute workload`) instead of drawing the round's workload again.")
-def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None, hardware: str | None, trace: Path | None) -> None:
+@click.option("--coefficients", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Coefficients entries (e.g. from `kvroute calibrate --probe`) to use for the hardware family instead of hardware/coefficients.yaml.")
+def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None, hardware: str | None,
+             trace: Path | None, coefficients: Path | None) -> None:
     """Simulate EXPERIMENT and write OUT/requests.parquet and OUT/summary.csv."""
     from kvroute.sim.run import simulate_experiment
 
     try:
         exp = load_experiment(experiment)
-        summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, trace)
+        summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, trace, coefficients)
     except (ExperimentError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     cols = ["hardware", "policy", "round", "time_to_complete_s", "later_ttft_mean_ms", "hit_rate", "imbalance"]
@@ -205,17 +208,41 @@ def fit_gpu(measurements: Path | None, out: Path) -> None:
 
 
 @main.command()
-@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("measured", type=click.Path(exists=True, path_type=Path))
-@click.option("--hardware", required=True, help="Hardware profile the records were measured on; its family's coefficients are fitted.")
+@click.argument("experiment", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("measured", required=False, type=click.Path(exists=True, path_type=Path))
+@click.option("--hardware", required=True, help="Hardware profile whose family's coefficients are fitted.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="YAML file for the fitted coefficients (a hardware/coefficients.yaml entry); OUT.csv gets the errors.")
-@click.option("--fit", "fit", multiple=True, help="Coefficient to fit (repeatable; default: compute_efficiency, step_overhead_ms, api_overhead_ms).")
-@click.option("--max-evaluations", type=click.IntRange(min=4), default=200, show_default=True, help="Bound on simulations of the search.")
-def calibrate(experiment: Path, measured: Path, hardware: str, out: Path, fit: tuple[str, ...], max_evaluations: int) -> None:
-    """Fit HARDWARE's step-time coefficients to MEASURED records of EXPERIMENT (docs/costmodel.md)."""
-    from kvroute.calibrate import DEFAULT_FIT, calibrate as fit_coefficients, read_measured
+              help="YAML file for the fitted coefficients (a hardware/coefficients.yaml entry); OUT.csv gets every observation.")
+@click.option("--probe", is_flag=True,
+              help="Start the profile's engines and fit to probe requests of its own; reads no experiment (no EXPERIMENT, MEASURED).")
+@click.option("--sessions", type=click.IntRange(min=1), default=2, show_default=True,
+              help="--probe: times the engines are started afresh (the spread between engine processes is part of the errors).")
+@click.option("--repetitions", type=click.IntRange(min=1), default=2, show_default=True,
+              help="--probe: repetitions of every probe, per worker and session.")
+@click.option("--api-probes", type=click.IntRange(min=3), default=24, show_default=True,
+              help="--probe: minimal requests per worker and session for the API server's cost.")
+@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="--probe: the model the engines serve (default: as `kvroute measure` finds it).")
+@click.option("--fit", "fit", multiple=True, help="Replay fit: coefficient to fit (repeatable; default: compute_efficiency, step_overhead_ms, api_overhead_ms).")
+@click.option("--max-evaluations", type=click.IntRange(min=4), default=200, show_default=True, help="Replay fit: bound on simulations of the search.")
+def calibrate(experiment: Path | None, measured: Path | None, hardware: str, out: Path, probe: bool, sessions: int,
+              repetitions: int, api_probes: int, model_dir: Path | None, fit: tuple[str, ...], max_evaluations: int) -> None:
+    """Fit HARDWARE's step-time coefficients (docs/costmodel.md).
+
+    With --probe: profile the live engines with probe requests and fit to them, never
+    reading an experiment. Without: replay MEASURED records of EXPERIMENT through the
+    simulator and fit to them (kept for comparison; its fit has seen what it predicts).
+    """
     from kvroute.records import write_atomic
+
+    if probe:
+        if experiment is not None or measured is not None or fit:
+            raise click.UsageError("--probe reads no experiment: drop EXPERIMENT, MEASURED and --fit")
+        _calibrate_probe(hardware, out, sessions, repetitions, api_probes, model_dir)
+        return
+    if experiment is None or measured is None:
+        raise click.UsageError("give EXPERIMENT and MEASURED (a replay fit), or --probe")
+    from kvroute.calibrate import DEFAULT_FIT, calibrate as fit_coefficients, read_measured
 
     try:
         exp = load_experiment(experiment)
@@ -227,6 +254,42 @@ def calibrate(experiment: Path, measured: Path, hardware: str, out: Path, fit: t
     write_atomic(out.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))
     click.echo(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     click.echo(result.coefficients_yaml().rstrip())
+    click.echo(f"wrote {out} and {out.with_suffix('.csv')}")
+
+
+def _calibrate_probe(hardware: str, out: Path, sessions: int, repetitions: int, api_probes: int,
+                     model_dir: Path | None) -> None:
+    from kvroute.hardware import load_hardware
+    from kvroute.live.engines import EngineError
+    from kvroute.live.probe import ProbePlan, run_probe
+    from kvroute.probefit import coefficient_entry, fit_probes, load_warning, plan_facts, write_probe_fit
+
+    try:
+        hw = load_hardware(hardware)
+        if hw.engine.kind == "emulator":
+            raise ValueError(f"hardware {hardware!r} runs the emulator: there is no engine to probe")
+        plan = ProbePlan(api_probes=api_probes, sessions=sessions, repetitions=repetitions)
+        requests, facts = run_probe(hw, out.parent / f"{out.stem}-engines", plan, model_dir=model_dir)
+    except (EngineError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    try:
+        result = fit_probes(requests, hw, plan_facts(plan, hw) | facts)
+    except ValueError as exc:  # keep what was measured: the table can be read and fitted again
+        import pandas as pd
+
+        from kvroute.records import write_atomic
+
+        table = pd.DataFrame([r.row() for r in requests])
+        write_atomic(out.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))
+        raise click.ClickException(f"{exc}; every probe is in {out.with_suffix('.csv')}") from exc
+    entry = coefficient_entry(result, hw)
+    write_probe_fit(result, entry, out)
+    click.echo("\n".join(result.residual_lines()))
+    click.echo(f"{result.family}: " + ", ".join(f"{k} {v:.3g} ± {result.errors[k]:.2g}"
+                                                for k, v in result.coefficients.items()))
+    warning = load_warning(result.probed)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
     click.echo(f"wrote {out} and {out.with_suffix('.csv')}")
 
 

@@ -128,11 +128,7 @@ def predict(o: Observation, model: Model, gpu: Gpu, coef: dict[str, float]) -> f
     bw, peak = gpu.bw * coef["mem_efficiency"], gpu.peak * coef["compute_efficiency"]
     s = o.size
     if o.kind in ("decode_step", "prefill_slope"):
-        m = StepTimeModel(
-            weight_bytes=model.read_bytes_per_step, kv_bytes_per_token=model.kv_bytes_per_token,
-            flops_per_token=2.0 * model.body_params, head_flops_per_seq=2.0 * model.head_params,
-            attn_flops_per_pair=4.0 * model.layers * model.heads * model.head_dim, bw=bw, peak=peak,
-            step_overhead_s=coef["step_overhead_ms"] * 1e-3, per_seq_overhead_s=coef["per_seq_overhead_ms"] * 1e-3)
+        m = step_model(model, bw, peak, coef)
         if o.kind == "decode_step":
             return 1e3 * m.step_time(s["seqs"], s["seqs"] * s["context"])
         lo, hi = s["from"], s["to"]
@@ -147,6 +143,33 @@ def predict(o: Observation, model: Model, gpu: Gpu, coef: dict[str, float]) -> f
         return 1e3 * _roofline(per_layer_kv * pairs, attn * pairs, bw, peak)
     q = s["tokens"]  # prefill_attention: causal, empty cache
     return 1e3 * _roofline(per_layer_kv * q, attn * q * q / 2.0, bw, peak)
+
+
+def step_model(model: Model, bw: float, peak: float, coef: dict[str, float]) -> StepTimeModel:
+    """The simulator's step-time model of ``model`` at effective ``bw`` (bytes/s) and ``peak``
+    (FLOP/s) with ``coef``'s overheads: what every fit here predicts through."""
+    return StepTimeModel(
+        weight_bytes=model.read_bytes_per_step, kv_bytes_per_token=model.kv_bytes_per_token,
+        flops_per_token=2.0 * model.body_params, head_flops_per_seq=2.0 * model.head_params,
+        attn_flops_per_pair=4.0 * model.layers * model.heads * model.head_dim, bw=bw, peak=peak,
+        step_overhead_s=coef["step_overhead_ms"] * 1e-3, per_seq_overhead_s=coef["per_seq_overhead_ms"] * 1e-3)
+
+
+def fit_least_squares(residuals, x0, lo, hi) -> tuple[np.ndarray, np.ndarray]:
+    """Minimise ``sum(residuals(x)**2)`` within ``[lo, hi]``; the optimum and its standard errors.
+
+    The errors come from the Jacobian at the optimum, scaled by the residual variance
+    (sum of squares over the degrees of freedom): they say how well the observations pin
+    each coefficient down, assuming independent residuals of one common spread. A
+    coefficient no residual depends on at the optimum (a zero Jacobian column: its term
+    never binds) has no standard error: NaN, not the pseudo-inverse's 0.
+    """
+    res = least_squares(residuals, x0, bounds=(lo, hi), x_scale="jac")
+    dof = max(1, res.fun.size - len(x0))
+    cov = np.linalg.pinv(res.jac.T @ res.jac) * float(res.fun @ res.fun) / dof
+    se = np.sqrt(np.clip(np.diag(cov), 0.0, None))
+    flat = np.linalg.norm(res.jac, axis=0) <= 1e-12 * max(1.0, float(np.abs(res.jac).max(initial=0.0)))
+    return res.x, np.where(flat, np.nan, se)
 
 
 def fit_gpus(path: Path | None = None) -> GpuFit:
@@ -167,18 +190,15 @@ def fit_gpus(path: Path | None = None) -> GpuFit:
         return np.array([np.log(predict(o, models[o.model], gpus[o.gpu], coef_of(x, o.gpu)) / o.measured)
                          for o in which])
 
-    res = least_squares(residuals, x0, bounds=(lo, hi), x_scale="jac")
-    dof = max(1, len(used) - len(names))
-    cov = np.linalg.pinv(res.jac.T @ res.jac) * float(res.fun @ res.fun) / dof
-    se = np.sqrt(np.clip(np.diag(cov), 0.0, None))
+    x, se = fit_least_squares(residuals, x0, lo, hi)
     coefficients, errors = {}, {}
     for g, gpu in gpus.items():
-        c = coef_of(res.x, g)
+        c = coef_of(x, g)
         coefficients[gpu.family] = {k: float(v) for k, v in c.items()}
         errors[gpu.family] = {k: float(se[names.index((g, k) if k in PER_GPU else ("*", k))]) for k in c}
     rows = []
     for o in obs:
-        pred = predict(o, models[o.model], gpus[o.gpu], coef_of(res.x, o.gpu))
+        pred = predict(o, models[o.model], gpus[o.gpu], coef_of(x, o.gpu))
         rows.append({"family": gpus[o.gpu].family, "source": o.source, "observation": o.label, "model": o.model,
                      "measured": o.measured, "predicted": float(pred), "rel_error": float(pred / o.measured - 1),
                      "used": o.use, "why": o.why})

@@ -246,3 +246,26 @@ def _load(name: str, directory: str) -> Hardware:
 def load_hardware(name: str, directory: Path | None = None) -> Hardware:
     """Load a profile by name; an unknown name raises ValueError listing the valid ones."""
     return _load(name, str(directory or hardware_dir()))
+
+
+def with_coefficients(hw: Hardware, path: str | os.PathLike) -> Hardware:
+    """``hw`` with its family's coefficients taken from ``path`` (a file of
+    ``hardware/coefficients.yaml`` entries, e.g. written by ``kvroute calibrate --probe``)
+    instead of ``hardware/coefficients.yaml``; ValueError naming the file and the family."""
+    path = Path(path)
+    import yaml
+
+    try:
+        raw = read_yaml(path)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--coefficients {path}: cannot read it: {exc}") from exc
+    if not isinstance(raw, dict) or hw.coefficients_name not in raw:
+        have = ", ".join(map(str, raw)) if isinstance(raw, dict) and raw else "none"
+        raise ValueError(f"--coefficients {path} has no entry for family {hw.coefficients_name!r} "
+                         f"(hardware {hw.name!r}); its families: {have}")
+    try:
+        coef = Coefficients(**coefficient_values(raw[hw.coefficients_name]))
+    except TypeError as exc:
+        raise ValueError(f"--coefficients {path}: entry {hw.coefficients_name!r} is malformed: {exc}") from exc
+    return replace(hw, coefficients=coef)
+

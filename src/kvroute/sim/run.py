@@ -34,7 +34,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from kvroute.experiment import Experiment, Run
-from kvroute.hardware import load_hardware
+from kvroute.hardware import hardware_dir, load_hardware, with_coefficients
 from kvroute.policies import make_policy
 from kvroute.records import REQUEST_COLUMNS, requests_table, summarize, write_atomic, write_csv, write_requests
 from kvroute.sim.cluster import SimCluster
@@ -72,9 +72,30 @@ def policy_rng(exp: Experiment, run: Run) -> np.random.Generator:
     return np.random.default_rng([exp.seed, run.round, _crc(run.hardware), _crc(run.policy)])
 
 
-def simulate_run(exp: Experiment, run: Run, trace: Trace) -> tuple[list[dict], dict]:
-    """Simulate one run; returns its record rows and run metadata."""
-    hw = load_hardware(run.hardware)
+def run_hardware(name: str, coefficients: Path | None = None):
+    """The profile ``name``, with its family's coefficients from ``coefficients`` when given."""
+    hw = load_hardware(name)
+    return with_coefficients(hw, coefficients) if coefficients is not None else hw
+
+
+def coefficients_info(hardware: set[str], coefficients: Path | None) -> dict:
+    """What run.json records of the coefficients each hardware ran with, and where from."""
+    out = {}
+    for h in sorted(hardware):
+        hw = run_hardware(h, coefficients)
+        out[h] = {"family": hw.coefficients_name,
+                  "file": str(coefficients) if coefficients is not None else str(hardware_dir() / "coefficients.yaml"),
+                  "values": dict(hw.coefficients.__dict__)}
+    return out
+
+
+def simulate_run(exp: Experiment, run: Run, trace: Trace, coefficients: Path | None = None) -> tuple[list[dict], dict]:
+    """Simulate one run; returns its record rows and run metadata.
+
+    ``coefficients``: a file of coefficients entries (``kvroute calibrate --probe``'s
+    output) whose entry for the run's hardware family replaces hardware/coefficients.yaml's.
+    """
+    hw = run_hardware(run.hardware, coefficients)
     policy = make_policy(run.policy, policy_rng(exp, run))
     exact = policy.default_exact if exp.view == "auto" else exp.view == "exact"
     cluster = SimCluster(trace, hw, policy, common_rng(exp.seed, run.round), exact, exp.load_signal)
@@ -108,8 +129,12 @@ def simulate_experiment(
     round_: int | None = None,
     hardware: str | None = None,
     trace: Path | None = None,
+    coefficients: Path | None = None,
 ) -> pd.DataFrame:
     """Simulate every run of ``exp`` (after overrides) and write ``out``'s two files.
+
+    ``coefficients`` replaces each run's family coefficients with that file's entry
+    (see :func:`simulate_run`); run.json records which were used.
 
     ``trace`` replays that trace file (written by ``kvroute workload``) instead of
     drawing the workload again; it is one round's traffic, so the runs must cover
@@ -118,8 +143,8 @@ def simulate_experiment(
     runs = exp.expand(policies, hardware, rounds, round_)
     if trace is not None and len({r.round for r in runs}) != 1:
         raise ValueError(f"--trace {trace} is one round's workload; choose the round with --round (the experiment has {exp.rounds})")
-    for r in runs:  # fail on a bad override before anything runs
-        load_hardware(r.hardware)
+    for r in runs:  # fail on a bad override (or a coefficients file without the family) before anything runs
+        run_hardware(r.hardware, coefficients)
         make_policy(r.policy, np.random.default_rng(0))
     traces: dict[int, Trace] = {runs[0].round: read_trace(Path(trace))} if trace is not None and runs else {}
     all_rows: list[dict] = []
@@ -129,7 +154,7 @@ def simulate_experiment(
         bar.set_postfix_str(f"{run.hardware} {run.policy} round {run.round}")
         if run.round not in traces:
             traces[run.round] = load_trace(exp, run.round)
-        rows, meta = simulate_run(exp, run, traces[run.round])
+        rows, meta = simulate_run(exp, run, traces[run.round], coefficients)
         all_rows.extend(rows)
         metas.append(meta)
         log.info("%s %s round %d: %d requests, %.1f sim s in %.2f wall s",
@@ -143,6 +168,7 @@ def simulate_experiment(
     speed = {(m["run"]["experiment"], m["run"]["hardware"], m["run"]["policy"], m["run"]["round"]): m["sim_s"] / m["wall_s"] if m["wall_s"] else float("nan") for m in metas}
     summary["sim_seconds_per_wall_second"] = [speed[tuple(k)] for k in summary[["experiment", "hardware", "policy", "round"]].itertuples(index=False)]
     write_csv(summary, out / "summary.csv")
-    info = {"experiment": exp.raw, "trace": str(trace) if trace is not None else None, "runs": metas, "hardware": {h: load_hardware(h).to_dict() for h in {r.hardware for r in runs}}}
+    info = {"experiment": exp.raw, "trace": str(trace) if trace is not None else None, "runs": metas, "hardware": {h: load_hardware(h).to_dict() for h in {r.hardware for r in runs}},
+            "coefficients": coefficients_info({r.hardware for r in runs}, coefficients)}
     write_atomic(out / "run.json", lambda tmp: Path(tmp).write_text(json.dumps(info, indent=1, default=str)))
     return summary

@@ -1,0 +1,379 @@
+"""Probe running vLLM engines with requests of our own: the inputs of ``kvroute calibrate --probe``.
+
+A calibration must never read the experiments it will predict, so this module times
+the engines directly, on work it chooses, through their OpenAI API (streaming,
+temperature 0, ``ignore_eos``, a fixed ``max_tokens``), and reads the engines' own
+/metrics beside the client's clock. Every prompt is a single user message of words
+from :mod:`kvroute.live.text` keyed by a per-probe name, so no two probes share a KV
+block unless a phase repeats a prompt on purpose. The engines are started ``sessions``
+times (each worker is then several engine processes). Per worker and session: two warm-up requests
+whose timings are dropped (the first request allocates), then ``repetitions`` times
+every kind of probe below (the API probes spread over the repetitions), so that a
+repetition is one stretch of time:
+
+* ``api``: minimal prompts (a few words, 2 tokens out). The API server's cost per
+  request is the client's TTFT less the engine's own queue and prefill time (the
+  ``vllm:request_queue_time_seconds`` and ``vllm:request_prefill_time_seconds``
+  histograms, read as the change of their ``_sum`` across the one request).
+* ``prefill``: prompts of each length, cold (a new prefix: nothing cached), then the
+  same prompt again, warm (its full blocks cached). The engine's prefill time of each.
+* ``decode``: ``B`` concurrent streams (1 to ``max_num_seqs``) of a shared prefix,
+  short or long, that one request has just cached, each with a few words of its own:
+  all ``B`` are admitted in a step or two of a few tokens each, then every step decodes
+  ``B`` sequences. The step's time is the engine's mean inter-token latency over the
+  batch (``vllm:inter_token_latency_seconds``, engine-core timestamps): the client's
+  gaps are not, because an API server starved of CPU by other jobs delivers a stream's
+  tokens in bursts. For ``B = 1`` the client's mean gap less the engine's is the API
+  server's cost per streamed token.
+
+Every probe (a batch counts as one) waits for the engine's counters to count its
+requests before the next is sent, so each histogram change is that probe's own.
+The workers of a profile are probed side by side (each on its own schedule), as the
+measurements load them; the probes go through :class:`~kvroute.live.engines.Engines`,
+so they run under whatever the profile pins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+import aiohttp
+
+from kvroute.live import text
+from kvroute.live.engines import EngineError
+from kvroute.live.metrics import parse_metrics
+
+#: the histogram sums and counts read around every sequential probe
+PROBE_SAMPLES: dict[str, str] = {
+    "vllm:time_to_first_token_seconds_sum": "ttft_s",
+    "vllm:request_queue_time_seconds_sum": "queue_s",
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",
+    "vllm:request_decode_time_seconds_sum": "decode_s",
+    "vllm:inter_token_latency_seconds_sum": "itl_s",
+    "vllm:inter_token_latency_seconds_count": "itl_tokens",
+    "vllm:request_prefill_time_seconds_count": "requests",
+}
+_WANTED = tuple(f"{name}{{" for name in PROBE_SAMPLES) + tuple(f"{name} " for name in PROBE_SAMPLES)
+#: counters, not seconds (left out of a row's ``engine_*_ms``)
+COUNTS = ("requests", "itl_tokens")
+REQUEST_TIMEOUT_S = 120.0
+PHASES = ("api", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """What to send each worker; the defaults take about a minute on the ``cpu`` profile.
+
+    Lengths are words of message content (one token each for the tiny model's
+    tokenizer; the chat template adds about a dozen).
+    """
+
+    api_probes: int = 24
+    api_words: int = 4
+    prefill_words: tuple[int, ...] = (128, 384, 768, 1152, 1536, 2000, 2500, 3000)
+    sessions: int = 2  # times the engines are started afresh (each worker a new engine process)
+    repetitions: int = 2  # per session, of every probe kind; the API probes are spread over them
+    prefill_tokens: int = 4  # tokens out of a prefill probe (only its first token is timed)
+    decode_batches: tuple[int, ...] | None = None  # default: 1 .. max_num_seqs
+    decode_words: tuple[int, ...] = (128, 2000)
+    decode_tokens: int = 40
+    decode_suffix_words: int = 8  # each stream's own words after the shared prefix
+
+    def __post_init__(self) -> None:
+        if self.api_probes < 3 or self.repetitions < 1 or self.sessions < 1:
+            raise ValueError("a probe plan needs at least 3 API probes, one session and one repetition")
+        if self.decode_tokens < 8:
+            raise ValueError(f"decode_tokens {self.decode_tokens}: a decode window needs at least 8 tokens")
+        if any(n < 1 for n in (*self.prefill_words, *self.decode_words, self.api_words)):
+            raise ValueError("probe lengths must be positive")
+
+    def batches(self, max_num_seqs: int) -> tuple[int, ...]:
+        b = self.decode_batches or tuple(range(1, max_num_seqs + 1))
+        if any(not 1 <= x <= max_num_seqs for x in b):
+            raise ValueError(f"decode batch sizes {b} must lie in 1..max_num_seqs ({max_num_seqs})")
+        return b
+
+    def count(self, max_num_seqs: int) -> int:
+        """Requests per worker and session, warm-up included."""
+        batches = self.batches(max_num_seqs)
+        return (2 + self.api_probes + 2 * self.repetitions * len(self.prefill_words)
+                + self.repetitions * len(self.decode_words) * (sum(batches) + len(batches)))
+
+    def to_dict(self, max_num_seqs: int) -> dict:
+        d = asdict(self)
+        d["decode_batches"] = list(self.batches(max_num_seqs))
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+@dataclass
+class ProbeRequest:
+    """One probe as it ran: what was asked, the client's clock, the engine's counters."""
+
+    worker: str
+    phase: str  # warmup | api | prefill | decode_prefix | decode
+    key: str
+    words: int
+    max_tokens: int
+    prefix: str = ""  # key of the shared prefix of ``words`` words (decode); else the prompt is ``key``'s
+    suffix_words: int = 0  # words of ``key``'s own after the shared prefix
+    batch: int = 1  # concurrent streams it ran among (decode)
+    group: int = -1  # the decode batch it belongs to
+    rep: int = 0  # the repetition (a block of probes sent in one stretch of time)
+    session: int = 0  # which start of the engines it ran on
+    warm: bool = False  # a repeat of the previous prompt (prefill)
+    sent_s: float = math.nan
+    token_s: list[float] = field(default_factory=list)  # arrival of every streamed token (client clock; tokens of one chunk share it)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    engine: dict[str, float] = field(default_factory=dict)  # histogram changes over the probe (a batch: on its first)
+    error: str = ""
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.token_s[0] - self.sent_s) * 1e3 if self.token_s else math.nan
+
+    def row(self) -> dict:
+        """A flat row for the observations table (the token times as one JSON list)."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("token_s", "engine")}
+        d["ttft_ms"] = self.ttft_ms
+        d.update({f"engine_{k}_ms": v * 1e3 for k, v in self.engine.items() if k not in COUNTS})
+        d.update({f"engine_{k}": v for k, v in self.engine.items() if k in COUNTS})
+        d["token_ms"] = json.dumps([round((t - self.sent_s) * 1e3, 3) for t in self.token_s])
+        return d
+
+    @classmethod
+    def from_row(cls, row: dict) -> ProbeRequest:
+        """The request a :meth:`row` came from (times relative to its sending; to the
+        microsecond): a saved probe table can be fitted again."""
+        names = {f.name for f in fields(cls)} - {"token_s", "engine", "sent_s"}
+        kw = {k: row[k] for k in names if k in row}
+        for k in ("words", "max_tokens", "batch", "group", "rep", "session", "suffix_words", "prompt_tokens",
+                  "cached_tokens", "output_tokens"):
+            if k in kw:
+                kw[k] = int(kw[k])
+        kw["warm"] = str(kw.get("warm")).lower() == "true"
+        kw["prefix"] = "" if kw.get("prefix") is None or kw.get("prefix") != kw.get("prefix") else str(kw["prefix"])
+        kw["error"] = "" if kw.get("error") is None or kw.get("error") != kw.get("error") else str(kw["error"])
+        engine = {}
+        for k in PROBE_SAMPLES.values():
+            col = f"engine_{k}" if k in COUNTS else f"engine_{k}_ms"
+            v = row.get(col)
+            if v is not None and v == v:
+                engine[k] = float(v) if k in COUNTS else float(v) / 1e3
+        return cls(**kw, sent_s=0.0, token_s=[t / 1e3 for t in json.loads(row["token_ms"])], engine=engine)
+
+
+def _progress_disabled() -> bool:
+    return bool(os.environ.get("CI")) or not sys.stderr.isatty()
+
+
+class _Progress:
+    """One line on stderr, rewritten: requests done of all, seconds so far (quiet under CI)."""
+
+    def __init__(self, total: int, label: str = "probe") -> None:
+        self.total, self.done, self.t0, self.label = total, 0, time.monotonic(), label
+        self.quiet = _progress_disabled()
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        if not self.quiet:
+            print(f"\r{self.label}: {self.done}/{self.total} requests, {time.monotonic() - self.t0:.0f} s",
+                  end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if not self.quiet:
+            print(file=sys.stderr, flush=True)
+
+
+class WorkerProber:
+    """Sends one worker's probe schedule (see the module docstring) and keeps every request."""
+
+    def __init__(self, session: aiohttp.ClientSession, name: str, url: str, model: str, plan: ProbePlan,
+                 max_num_seqs: int, nonce: str, progress: _Progress, engine_session: int = 0) -> None:
+        self.session, self.name, self.url, self.model = session, name, url.rstrip("/"), model
+        self.plan, self.max_num_seqs, self.nonce, self.progress = plan, max_num_seqs, nonce, progress
+        self.requests: list[ProbeRequest] = []
+        self.engine_session = engine_session
+        self._groups = 0
+        self._last: dict[str, float] | None = None  # the counters after the previous probe
+
+    async def run(self) -> list[ProbeRequest]:
+        p = self.plan
+        for i in range(2):
+            await self._sequential(ProbeRequest(self.name, "warmup", self._key("warmup", i), 64, 4))
+        await self._reset_cache()
+        # repetition-major: each repetition is one stretch of time holding every kind of probe,
+        # so a change of load during the calibration shows as a difference between repetitions
+        for rep in range(p.repetitions):
+            for i in range(rep, p.api_probes, p.repetitions):
+                await self._sequential(ProbeRequest(self.name, "api", self._key("api", i), p.api_words, 2, rep=rep))
+            # a rotated order per repetition, so a drift in time does not line up with length
+            k = rep % len(p.prefill_words)
+            for n in p.prefill_words[k:] + p.prefill_words[:k]:
+                key = self._key("prefill", f"{rep}:{n}")
+                await self._sequential(ProbeRequest(self.name, "prefill", key, n, p.prefill_tokens, rep=rep))
+                await self._sequential(ProbeRequest(self.name, "prefill", key, n, p.prefill_tokens, warm=True, rep=rep))
+            for n in p.decode_words:
+                for b in p.batches(self.max_num_seqs):
+                    await self._batch(n, b, rep)
+        return self.requests
+
+    def _key(self, phase: str, i: object) -> str:
+        return f"probe:{self.nonce}:{self.name}:{phase}:{i}"
+
+    async def _reset_cache(self) -> None:
+        async with self.session.post(self.url + "/reset_prefix_cache") as resp:
+            if resp.status != 200:
+                raise EngineError(f"{self.name}: POST /reset_prefix_cache answered {resp.status}")
+        self._last = None
+
+    async def _counters(self) -> dict[str, float]:
+        async with self.session.get(self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            resp.raise_for_status()
+            page = await resp.text()
+        # only the wanted samples go through the parser: the whole page is large
+        values = parse_metrics("\n".join(line for line in page.splitlines() if line.startswith(_WANTED)), PROBE_SAMPLES)
+        missing = [k for k, v in PROBE_SAMPLES.items() if v not in values]
+        if missing:
+            raise EngineError(f"{self.name}: /metrics has no {', '.join(missing)}; the probe reads vLLM v1's "
+                              f"request histograms to tell engine time from API-server time")
+        return values
+
+    async def _sequential(self, req: ProbeRequest) -> None:
+        await self._together([req])
+
+    async def _together(self, reqs: list[ProbeRequest]) -> None:
+        """Send ``reqs`` at once; the engine's histogram changes over them go to the first."""
+        before = self._last or await self._counters()
+        await asyncio.gather(*(self._send(r) for r in reqs))
+        # the histograms are updated as the last output is handled: wait until they count them
+        deadline = time.monotonic() + 5.0
+        after = await self._counters()
+        while after["requests"] < before["requests"] + len(reqs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            after = await self._counters()
+        counted = after["requests"] - before["requests"]
+        if counted != len(reqs):
+            reqs[0].error = reqs[0].error or f"the engine counted {counted:g} requests, not {len(reqs)}"
+        reqs[0].engine = {k: after[k] - before[k] for k in after}
+        self._last = after
+        for r in reqs:
+            self._keep(r)
+
+    async def _batch(self, words: int, b: int, rep: int) -> None:
+        group = self._groups
+        self._groups += 1
+        prefix = self._key("decode", f"{rep}:{words}:{b}")
+        await self._sequential(ProbeRequest(self.name, "decode_prefix", prefix, words, 1, group=group, rep=rep))
+        await self._together([ProbeRequest(self.name, "decode", f"{prefix}:{j}", words, self.plan.decode_tokens,
+                                           prefix=prefix, suffix_words=self.plan.decode_suffix_words, batch=b,
+                                           group=group, rep=rep) for j in range(b)])
+
+    def _keep(self, req: ProbeRequest) -> None:
+        req.session = self.engine_session
+        self.requests.append(req)
+        self.progress.step()
+
+    def _prompt(self, req: ProbeRequest) -> list[dict]:
+        content = text.words(req.prefix or req.key, req.words)
+        if req.suffix_words:
+            content += " " + text.words(req.key, req.suffix_words)
+        return [{"role": "user", "content": content}]
+
+    async def _send(self, req: ProbeRequest) -> None:
+        body = {"model": self.model, "messages": self._prompt(req), "max_tokens": req.max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                # one logprob entry per token: a chunk that carries several tokens (the API server
+                # merges them when it falls behind the engine) still counts each
+                "logprobs": True, "top_logprobs": 0}
+        data = json.dumps(body).encode()
+        req.sent_s = time.perf_counter()
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                async with self.session.post(self.url + "/v1/chat/completions", data=data,
+                                             headers={"Content-Type": "application/json"}) as resp:
+                    if resp.status != 200:
+                        req.error = f"http {resp.status}: {(await resp.text())[:200]}"
+                        return
+                    async for raw in resp.content:
+                        line = raw.strip()
+                        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                            continue
+                        chunk = json.loads(line[5:])
+                        for c in chunk.get("choices") or ():
+                            tokens = len(((c.get("logprobs") or {}).get("content")) or ())
+                            if tokens or (c.get("delta") or {}).get("content"):
+                                req.token_s += [time.perf_counter()] * max(1, tokens)
+                        usage = chunk.get("usage")
+                        if usage:
+                            req.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                            req.output_tokens = int(usage.get("completion_tokens") or 0)
+                            req.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            req.error = f"{type(exc).__name__}: {exc}"
+        if not req.error and len(req.token_s) != req.max_tokens:
+            req.error = f"{len(req.token_s)} streamed tokens, asked for {req.max_tokens}"
+
+
+async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, plan: ProbePlan,
+                        max_num_seqs: int, nonce: str = "", session: int = 0) -> list[ProbeRequest]:
+    """Run one session of ``plan`` on every worker side by side; every request, in order per worker.
+
+    Raises:
+        EngineError: a worker cannot be reached, or its /metrics lacks the histograms.
+    """
+    progress = _Progress(plan.count(max_num_seqs) * len(urls), f"probe session {session + 1}/{plan.sessions}")
+    nonce = nonce or f"{time.time_ns():x}"
+    connector = aiohttp.TCPConnector(limit=0)
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
+            probers = [WorkerProber(http, n, u, model, plan, max_num_seqs, nonce, progress, session)
+                       for n, u in zip(names, urls)]
+            results = await asyncio.gather(*(p.run() for p in probers))
+    except aiohttp.ClientError as exc:
+        raise EngineError(f"probe: an engine could not be reached: {exc}") from exc
+    finally:
+        progress.close()
+    return [r for rs in results for r in rs]
+
+
+def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = None,
+              model_dir=None, python: str | None = None) -> tuple[list[ProbeRequest], dict]:
+    """Start ``hw``'s engines (only ours, on 127.0.0.1), probe them with ``plan``, stop them;
+    ``plan.sessions`` times, each in a folder of ``run_dir``, so that every worker is several
+    engine processes (what differs between processes differs between calibrations too).
+
+    Returns every probe request and the facts of the run (start-up and probe seconds per
+    session, the machine's load average before and after: the cores may be shared).
+    """
+    from pathlib import Path
+
+    from kvroute.live.engines import running_engines, served_model_name
+
+    plan = plan or ProbePlan()
+    kind = kind or hw.engine.kind
+    if kind == "emulator":
+        raise EngineError("the probe calibrates real engines; the emulator runs the simulator's own step times")
+    facts: dict = {"load_average_before": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count(),
+                   "startup_s": [], "probe_s": []}
+    requests: list[ProbeRequest] = []
+    for session in range(plan.sessions):
+        t0 = time.monotonic()
+        with running_engines(hw, run_dir=Path(run_dir) / f"session{session}", kind=kind, host="127.0.0.1",
+                             model_dir=model_dir, python=python) as eng:
+            t1 = time.monotonic()
+            requests += asyncio.run(probe_workers(eng.names, eng.urls, served_model_name(hw), plan,
+                                                  hw.engine.max_num_seqs, session=session))
+            t2 = time.monotonic()
+        facts["startup_s"].append(round(t1 - t0, 1))
+        facts["probe_s"].append(round(t2 - t1, 1))
+    facts["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    return requests, facts

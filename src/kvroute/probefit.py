@@ -1,0 +1,441 @@
+"""``kvroute calibrate --probe``: a family's step-time coefficients from probes of the live engines.
+
+The inputs are the probe requests of :mod:`kvroute.live.probe` (work the calibration
+chose and sent itself), never an experiment's records, so the simulations the
+coefficients feed are predictions. Each probe becomes an observation the simulator
+can predict, through the same :class:`~kvroute.costmodel.StepTimeModel` it runs
+(:func:`kvroute.gpufit.step_model`):
+
+* ``prefill``: the engine's prefill time of a prompt of ``tokens`` with ``cached`` of
+  them from the prefix cache, predicted as the simulator's engine would run it alone:
+  chunks of at most the profile's ``max_num_batched_tokens``, each one step.
+* ``decode_step``: the time of one step decoding ``seqs`` sequences of ``tokens``
+  context each: the engine's mean inter-token latency over a batch of ``seqs`` streams
+  (their admission takes a step or two of a few tokens: a small bias, left in).
+
+Repeated probes of one condition (the same lengths or batch, over repetitions and
+workers) are summarised by their median: the build machines share their cores with
+other jobs, and a contended probe is an outlier of one condition, not a fact about the
+engine. The fit is the GPU fit's (:func:`kvroute.gpufit.fit_least_squares`): squared log
+ratios predicted/median over conditions, standard errors from the Jacobian.
+
+The API server's cost is measured, not fitted: per minimal probe, the client's time
+to first token less the engine's queue and prefill time; its median and its
+interquartile range ``api_jitter_ms`` (the simulator draws the cost uniformly in
+``api_overhead_ms ± api_jitter_ms``, whose interquartile range is exactly
+``api_jitter_ms``), each with a bootstrap standard error. A request's first step costs
+more than a step of its tokens (vLLM admits it: on the CPU build a few ms); the fit
+finds that ``admission_ms`` beside the step coefficients, and since the simulator has
+no such term and a request pays it once before its first token, it is added to
+``api_overhead_ms``. The cost per streamed token (client gap less the engine's) is
+reported; the simulator has no such term.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvroute.costmodel import GBPS, TFLOP, StepTimeModel
+from kvroute.gpufit import fit_least_squares, step_model
+from kvroute.hardware import Hardware
+from kvroute.live.probe import ProbePlan, ProbeRequest
+
+FITTED = ("compute_efficiency", "mem_efficiency", "step_overhead_ms", "per_seq_overhead_ms")
+#: fitted beside them: what a request's first (prefill) step costs beyond a step of its tokens
+ADMISSION = "admission_ms"
+MEASURED = ("api_overhead_ms", "api_jitter_ms")
+#: (lower, upper, start): the cpu profile's bandwidth and peak are nominal figures for one
+#: core, not a datasheet's, so an efficiency may pass 1 (the nominal figure is then low)
+BOUNDS = {"compute_efficiency": (0.01, 20.0, 0.5), "mem_efficiency": (0.01, 20.0, 0.5),
+          "step_overhead_ms": (0.0, 200.0, 5.0), "per_seq_overhead_ms": (0.0, 50.0, 0.5),
+          ADMISSION: (0.0, 200.0, 2.0)}
+BOOTSTRAP = 2000
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One condition's median timing, and how the simulator would run that work."""
+
+    kind: str  # prefill | decode_step
+    tokens: int  # prefill: prompt tokens; decode_step: context per sequence
+    cached: int  # prefill: tokens from the prefix cache; decode_step: 0
+    seqs: int  # sequences in the step (1 for a prefill)
+    measured_ms: float
+    samples: int = 1
+    spread_ms: float = 0.0  # median absolute deviation of the samples
+
+    @property
+    def label(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill tokens={self.tokens} cached={self.cached}"
+        return f"decode_step seqs={self.seqs} context={self.tokens}"
+
+
+def predict(o: Observation, model: StepTimeModel, budget: int, admission_ms: float = 0.0) -> float:
+    """The simulator's time (ms) for the work of ``o`` on an otherwise idle engine, plus
+    ``admission_ms`` for a prefill (see :func:`fit_probes`)."""
+    if o.kind == "decode_step":
+        return 1e3 * model.step_time(o.seqs, o.seqs * o.tokens)
+    done, left, total = o.cached, o.tokens - o.cached, admission_ms * 1e-3
+    while left > 0:
+        q = min(budget, left)
+        total += model.step_time(0, 0, [(q, done)])
+        done, left = done + q, left - q
+    return 1e3 * total
+
+
+def model_at(hw: Hardware, coef: dict[str, float]) -> StepTimeModel:
+    return step_model(hw.model, hw.mem_bw_gbps * GBPS * coef["mem_efficiency"],
+                      hw.tflops * TFLOP * coef["compute_efficiency"], coef)
+
+
+# -- from probe requests to samples -------------------------------------------------------------
+
+
+@dataclass
+class Samples:
+    """Every usable sample of one calibration, keyed by condition, and every request's row."""
+
+    prefill: dict[tuple[int, bool], list[tuple[float, int, int]]] = field(default_factory=dict)
+    decode: dict[tuple[int, int], list[tuple[float, int]]] = field(default_factory=dict)
+    api: list[float] = field(default_factory=list)
+    per_token: list[float] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+
+
+def collect(requests: Iterable[ProbeRequest]) -> Samples:
+    """Turn probe requests into samples; requests with an error are kept as rows, unused
+    (a decode batch is one sample, on its first request's row)."""
+    s = Samples()
+    groups: dict[tuple[int, str, int], list[ProbeRequest]] = {}  # (session, worker, batch)
+    for r in requests:
+        row = r.row() | {"kind": r.phase, "measured_ms": math.nan, "context": math.nan, "used": False}
+        ok = not r.error
+        if r.phase == "api" and ok:
+            api = r.ttft_ms - 1e3 * (r.engine["queue_s"] + r.engine["prefill_s"])
+            s.api.append(api)
+            row |= {"kind": "api", "measured_ms": api, "used": True}
+        elif r.phase == "prefill" and ok:
+            ms = 1e3 * r.engine["prefill_s"]
+            s.prefill.setdefault((r.words, r.warm), []).append((ms, r.prompt_tokens, r.cached_tokens))
+            row |= {"kind": "prefill", "measured_ms": ms, "context": r.cached_tokens, "used": True}
+        elif r.phase == "decode":
+            groups.setdefault((r.session, r.worker, r.group), []).append(r)
+            continue
+        s.rows.append(row)
+    for streams in groups.values():
+        first = streams[0]
+        n = first.max_tokens
+        ok = all(not r.error for r in streams) and first.engine.get("itl_tokens") == len(streams) * (n - 1)
+        step = 1e3 * first.engine["itl_s"] / first.engine["itl_tokens"] if ok else math.nan
+        ctx = round(statistics.mean(r.prompt_tokens for r in streams) + n / 2) if ok else math.nan
+        if ok:
+            s.decode.setdefault((first.words, first.batch), []).append((step, ctx))
+        for i, r in enumerate(streams):
+            row = r.row() | {"kind": "decode_step", "measured_ms": step, "context": ctx, "used": ok and i == 0}
+            if len(r.token_s) > 1 and r.output_tokens > 1:
+                row["client_gap_ms"] = 1e3 * (r.token_s[-1] - r.token_s[0]) / (r.output_tokens - 1)
+                if ok and r.batch == 1:
+                    s.per_token.append(row["client_gap_ms"] - step)
+                    row["api_per_token_ms"] = row["client_gap_ms"] - step
+            if not ok and not row["error"]:
+                row["error"] = f"the batch's engine counted {first.engine.get('itl_tokens')} inter-token gaps"
+            s.rows.append(row)
+    return s
+
+
+def _mad(xs: Sequence[float]) -> float:
+    m = statistics.median(xs)
+    return statistics.median(abs(x - m) for x in xs)
+
+
+def observations(s: Samples) -> list[Observation]:
+    """One observation per condition: the median time, at the median sizes."""
+    obs = []
+    for (_, _), xs in sorted(s.prefill.items()):
+        ms = [x[0] for x in xs]
+        obs.append(Observation("prefill", int(statistics.median(x[1] for x in xs)),
+                               int(statistics.median(x[2] for x in xs)), 1, statistics.median(ms), len(ms), _mad(ms)))
+    for (_, b), xs in sorted(s.decode.items()):
+        ms = [x[0] for x in xs]
+        obs.append(Observation("decode_step", int(statistics.median(x[1] for x in xs)), 0, b,
+                               statistics.median(ms), len(ms), _mad(ms)))
+    return obs
+
+
+def bootstrap_se(xs: Sequence[float], stat, seed: int = 0) -> float:
+    """Standard error of ``stat(xs)`` from resampling ``xs`` (a fixed seed: deterministic)."""
+    a = np.asarray(xs, dtype=float)
+    if a.size < 2:
+        return math.nan
+    idx = np.random.default_rng(seed).integers(0, a.size, size=(BOOTSTRAP, a.size))
+    return float(np.std([stat(a[i]) for i in idx], ddof=1))
+
+
+def _iqr(a: np.ndarray) -> float:
+    q1, q3 = np.percentile(a, [25, 75])
+    return float(q3 - q1)
+
+
+# -- the fit ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ProbeFit:
+    """Coefficients with standard errors, every observation and the facts of the probe."""
+
+    hardware: str
+    family: str
+    coefficients: dict[str, float]
+    errors: dict[str, float]
+    observations: list[Observation]
+    predicted: list[float]
+    rows: list[dict]
+    measured: dict[str, dict[str, float]]
+    probed: dict
+
+    def residual_lines(self) -> list[str]:
+        return [f"{o.label} ({o.samples} samples, MAD {o.spread_ms:.3g} ms): measured median {o.measured_ms:.4g} ms, "
+                f"predicted {p:.4g} ({p / o.measured_ms - 1:+.1%})" for o, p in zip(self.observations, self.predicted)]
+
+    def rms_log_error(self) -> float:
+        r = [math.log(p / o.measured_ms) for o, p in zip(self.observations, self.predicted)]
+        return math.sqrt(sum(x * x for x in r) / len(r)) if r else math.nan
+
+
+def _check(s: Samples, obs: list[Observation]) -> None:
+    kinds = {o.kind for o in obs}
+    if len(s.api) < 3 or kinds != {"prefill", "decode_step"} or len(obs) <= len(FITTED) + 1:
+        raise ValueError(f"too few usable probes to fit: {len(s.api)} api, "
+                         f"{sum(o.kind == 'prefill' for o in obs)} prefill and "
+                         f"{sum(o.kind == 'decode_step' for o in obs)} decode conditions "
+                         f"({sum(1 for r in s.rows if r['error'])} requests failed)")
+
+
+def _estimate(s: Samples, obs: list[Observation], hw: Hardware) -> tuple[dict[str, float], dict[str, float]]:
+    """Every estimated quantity (the step coefficients, admission, the API cost's median and
+    interquartile range) and the Jacobian's standard errors of the fitted ones."""
+    budget = hw.engine.max_num_batched_tokens
+    names = (*FITTED, ADMISSION)
+    lo = [BOUNDS[k][0] for k in names]
+    hi = [BOUNDS[k][1] for k in names]
+    x0 = [BOUNDS[k][2] for k in names]
+
+    def residuals(x):
+        c = dict(zip(names, map(float, x)))
+        m = model_at(hw, c)
+        return np.array([math.log(predict(o, m, budget, c[ADMISSION]) / o.measured_ms) for o in obs])
+
+    x, se_x = fit_least_squares(residuals, x0, lo, hi)
+    est = dict(zip(names, map(float, x)))
+    api = np.asarray(s.api)
+    est |= {"api_cost_ms": float(np.median(api)), "api_jitter_ms": _iqr(api)}
+    # the simulator has no admission cost: a request pays it once before its first token, as it
+    # pays the API server's, so it joins api_overhead_ms (exact on an idle engine)
+    est["api_overhead_ms"] = est["api_cost_ms"] + est[ADMISSION]
+    return est, dict(zip(names, map(float, se_x)))
+
+
+def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | None = None) -> ProbeFit:
+    """Fit ``hw``'s family to probe ``requests`` (see the module docstring).
+
+    Standard errors: the largest of the fit's own (the Jacobian's, or the bootstrap's for
+    the API cost); a delete-one-block jackknife over the probe's blocks (a worker's
+    repetition: probes sent in one stretch of time), which carries what changes between
+    stretches, above all the load other jobs put on shared cores; and a leave-one-process-out
+    jackknife over the engine processes (each worker in each session of
+    :func:`~kvroute.live.probe.run_probe`), which carries what differs between processes
+    (each one's own share of the machine), drawn afresh by every calibration. The last two say how far a second
+    calibration may land; all three are in the provenance.
+
+    Raises:
+        ValueError: too few usable probes for a fit (named by phase).
+    """
+    s = collect(requests)
+    obs = observations(s)
+    _check(s, obs)
+    est, se_fit = _estimate(s, obs, hw)
+    api = np.asarray(s.api)
+    se_fit |= {"api_cost_ms": bootstrap_se(api, np.median), "api_jitter_ms": bootstrap_se(api, _iqr)}
+    se_fit["api_overhead_ms"] = math.hypot(se_fit["api_cost_ms"], se_fit[ADMISSION])
+    blocks = sorted({(r.session, r.worker, r.rep) for r in requests if r.phase in ("api", "prefill", "decode")})
+    jack: list[dict[str, float]] = []
+    if len(blocks) >= 3:
+        for b in blocks:
+            sb = collect([r for r in requests if (r.session, r.worker, r.rep) != b])
+            ob = observations(sb)
+            try:
+                _check(sb, ob)
+            except ValueError:
+                continue
+            jack.append(_estimate(sb, ob, hw)[0])
+    se_jack = {}
+    for k in est:
+        vals = np.array([j[k] for j in jack])
+        n = vals.size
+        se_jack[k] = float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2))) if n >= 3 else math.nan
+    # each engine process (a worker in one session) has its own share of the machine, drawn
+    # afresh by every calibration: the spread between processes' own fits is the run-to-run
+    # part (leave one process out: with two processes, half the difference of their own fits)
+    workers = sorted({(r.session, r.worker) for r in requests})
+    per_worker: list[dict[str, float]] = []
+    if len(workers) >= 2:
+        for w in workers:
+            sw = collect([r for r in requests if (r.session, r.worker) != w])
+            ow = observations(sw)
+            try:
+                _check(sw, ow)
+            except ValueError:
+                continue
+            per_worker.append(_estimate(sw, ow, hw)[0])
+    se_workers = {}
+    for k in est:
+        vals = np.array([j[k] for j in per_worker])
+        n = vals.size
+        se_workers[k] = float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2))) if n >= 2 else math.nan
+    se = {k: max((v for v in (se_fit[k], se_jack[k], se_workers[k]) if math.isfinite(v)), default=math.nan)
+          for k in est}
+
+    budget = hw.engine.max_num_batched_tokens
+    coef = {k: est[k] for k in FITTED}
+    admission = est[ADMISSION]
+    m = model_at(hw, coef)
+    predicted = [predict(o, m, budget, admission) for o in obs]
+    for row in s.rows:
+        if row["kind"] == "prefill" and row["used"]:
+            o = Observation("prefill", int(row["prompt_tokens"]), int(row["cached_tokens"]), 1, row["measured_ms"])
+            row["predicted_ms"] = predict(o, m, budget, admission)
+        elif row["kind"] == "decode_step" and row["used"]:
+            row["predicted_ms"] = predict(Observation("decode_step", int(row["context"]), 0, int(row["batch"]),
+                                                      row["measured_ms"]), m, budget)
+        elif row["kind"] == "api":
+            row["predicted_ms"] = est["api_cost_ms"]
+    measured = {k: {"value": est[k], "se": se[k], "se_fit": se_fit[k], "se_jackknife": se_jack[k],
+                    "se_processes": se_workers[k]}
+                for k in ("api_cost_ms", ADMISSION, "api_overhead_ms", "api_jitter_ms")}
+    measured["api_cost_mean_ms"] = {"value": float(api.mean()), "se": float(api.std(ddof=1) / math.sqrt(api.size))}
+    if s.per_token:
+        pt = np.asarray(s.per_token)
+        measured["api_per_token_ms"] = {"value": float(np.median(pt)), "se": bootstrap_se(pt, np.median)}
+    coefficients = coef | {k: est[k] for k in MEASURED}
+    errors = {k: se[k] for k in (*FITTED, *MEASURED)}
+    info = dict(probed or {})
+    info["usable"] = {"api": len(s.api), "prefill": sum(len(v) for v in s.prefill.values()),
+                      "decode_batches": sum(len(v) for v in s.decode.values()),
+                      "failed": sum(1 for r in s.rows if r["error"]), "jackknife_blocks": len(jack)}
+    # a coefficient the fit pushed to a bound, or whose term never binds (no Jacobian se), is
+    # not pinned down by the probes: say so (its stated se is then the jackknife's)
+    loose = {}
+    for k in (*FITTED, ADMISSION):
+        lo_k, hi_k = BOUNDS[k][:2]
+        tol = 1e-4 * (hi_k - lo_k)
+        if est[k] <= lo_k + tol or est[k] >= hi_k - tol:
+            loose[k] = f"at its {'lower' if est[k] <= lo_k + tol else 'upper'} bound: not pinned down by the probes"
+        elif not math.isfinite(se_fit[k]):
+            loose[k] = "no probe depends on it at the optimum (its roofline term never binds): not pinned down"
+    if loose:
+        info["not_identified"] = loose
+    info["se_fit"] = {k: _sig(se_fit[k], 2) for k in FITTED}
+    info["se_jackknife"] = {k: _sig(se_jack[k], 2) for k in FITTED}
+    info["se_processes"] = {k: _sig(se_workers[k], 2) for k in FITTED}
+    info["without_process"] = {f"session {s_} {w}": {k: _sig(v) for k, v in e.items()}
+                           for (s_, w), e in zip(workers, per_worker)} if len(per_worker) == len(workers) else {}
+    return ProbeFit(hw.name, hw.coefficients_name, coefficients, errors, obs, predicted, s.rows, measured, info)
+
+
+def _sig(x: float, digits: int = 3) -> float:
+    return float(f"{x:.{digits}g}") if math.isfinite(x) else x
+
+
+def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) -> dict[str, dict]:
+    """The fit as a ``hardware/coefficients.yaml`` entry of ``hw``'s family, with its provenance."""
+    c = fit.coefficients
+    entry: dict = {k: _sig(c[k]) for k in (*FITTED, *MEASURED)}
+    entry["activation_reserve_gb"] = float(hw.coefficients.activation_reserve_gb)
+    e = hw.engine
+    entry["provenance"] = {
+        "method": ("kvroute calibrate --probe: probe requests of its own to the live engines (OpenAI API, streaming, "
+                   "temperature 0, ignore_eos); least squares on log(predicted / measured median) through the "
+                   "simulator's StepTimeModel (kvroute.probefit)"),
+        "date": (date or dt.date.today()).isoformat(),
+        "experiments_read": "none: no experiment, trace or measured record is an input of this fit",
+        "engines": (f"{hw.name}: {hw.workers} x {e.kind} {e.version}, {hw.model.name}, block {e.block_size}, "
+                    f"max_num_seqs {e.max_num_seqs}, max_num_batched_tokens {e.max_num_batched_tokens}, "
+                    f"dtype {e.dtype}; workers probed side by side"),
+        "probed": fit.probed,
+        "fitted": {k: {"value": _sig(c[k]), "se": _sig(fit.errors[k], 2)} for k in FITTED},
+        "measured": {k: {"value": _sig(v["value"]), "se": _sig(v["se"], 2)} for k, v in fit.measured.items()},
+        "uncertainty": ("se is the largest of the fit's own (Jacobian; bootstrap for the API cost), a "
+                        "delete-one-block jackknife over (worker, repetition) blocks of probes and a "
+                        "leave-one-engine-process-out jackknife (a worker in one session: what differs between processes)"),
+        "notes": [
+            "api_cost_ms is the median, api_jitter_ms the interquartile range, of (client TTFT - engine queue "
+            "- engine prefill) over the minimal probes (bootstrap se); admission_ms is what a request's prefill "
+            "step costs beyond a step of its tokens (fitted with the step coefficients); the simulator has no such "
+            "term, so api_overhead_ms = api_cost_ms + admission_ms, which it pays once before its first token",
+            "api_per_token_ms (client gap - engine gap per streamed token) is reported only: the simulator "
+            "has no per-token API cost",
+            "activation_reserve_gb is kept from the profile's entry: the cpu profile gives its KV budget directly",
+        ],
+        "rms_log_error": _sig(fit.rms_log_error()),
+        **({"warning": w} if (w := load_warning(fit.probed)) else {}),
+        "residuals": fit.residual_lines(),
+    }
+    return {fit.family: entry}
+
+
+def load_warning(probed: dict) -> str:
+    """A warning when the machine ran more than one job per core during the probe: the step
+    times, and the API server's cost most of all, then carry other jobs' contention."""
+    cores = probed.get("cores") or 0
+    loads = [(probed.get(k) or [0.0])[0] for k in ("load_average_before", "load_average_after")]  # 1-minute
+    if cores and max(loads) > cores:
+        return (f"the machine was loaded (1-minute load average up to {max(loads):.1f} on {cores} cores): the timings carry "
+                f"other jobs' contention; the API cost varies most with it between calibrations")
+    return ""
+
+
+def plan_facts(plan: ProbePlan, hw: Hardware) -> dict:
+    """What the probe sends, for the provenance: counts and ranges."""
+    return {"requests_per_worker": plan.count(hw.engine.max_num_seqs) * plan.sessions, "workers": hw.workers,
+            "plan": plan.to_dict(hw.engine.max_num_seqs)}
+
+
+def observation_table(fit: ProbeFit):
+    """Every probe (``level`` probe) and every fitted condition (``level`` condition), each
+    with its measured and predicted time: OUT.csv."""
+    import pandas as pd
+
+    probes = pd.DataFrame(fit.rows).assign(level="probe")
+    conditions = pd.DataFrame([{"level": "condition", "kind": o.kind, "label": o.label, "prompt_tokens": o.tokens,
+                                "cached_tokens": o.cached, "batch": o.seqs, "samples": o.samples,
+                                "measured_ms": o.measured_ms, "spread_ms": o.spread_ms, "predicted_ms": p, "used": True}
+                               for o, p in zip(fit.observations, fit.predicted)])
+    table = pd.concat([conditions, probes], ignore_index=True)
+    first = ["level", "kind", "label", "worker", "phase", "words", "warm", "batch", "prompt_tokens", "cached_tokens",
+             "context", "samples", "measured_ms", "predicted_ms", "spread_ms", "used"]
+    return table[[c for c in first if c in table] + [c for c in table if c not in first]]
+
+
+def write_probe_fit(fit: ProbeFit, entry: dict, out) -> None:
+    """OUT (the coefficients entry) and OUT.csv (:func:`observation_table`), atomically."""
+    from pathlib import Path
+
+    import yaml
+
+    from kvroute.records import write_atomic
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = (f"# written by `kvroute calibrate --hardware {fit.hardware} --probe`: probe requests only, "
+            f"no experiment read\n")
+    text = head + yaml.safe_dump(entry, sort_keys=False, width=100)
+    table = observation_table(fit)
+    write_atomic(out, lambda tmp: Path(tmp).write_text(text))
+    write_atomic(out.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))

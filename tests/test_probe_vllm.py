@@ -1,0 +1,72 @@
+"""`kvroute calibrate --probe` on real vLLM CPU engines (the `cpu` profile): a small probe, a sane fit.
+
+Needs the engine environment (`make engine-cpu` builds .venv-engine-cpu, or set
+KVROUTE_ENGINE_PYTHON); skipped, saying so, without it. Starts the profile's two workers
+through kvroute.live.probe.run_probe (the Engines class measure uses), sends a small plan
+and fits it. About 1.5-2.5 minutes on 2 shared cores (start-up is most of it).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvroute.hardware import Coefficients, coefficient_values, load_hardware
+from kvroute.live.probe import ProbePlan, run_probe
+from kvroute.probefit import FITTED, coefficient_entry, fit_probes, plan_facts, write_probe_fit
+
+import engine_env  # noqa: E402  (tests/engine_env.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = engine_env.ENGINE_MARKS
+PLAN = ProbePlan(api_probes=8, api_words=4, prefill_words=(128, 1024, 2500), sessions=1, repetitions=2,
+                 decode_words=(128, 1500), decode_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    model = tmp_path_factory.mktemp("models") / "tiny-qwen2"
+    subprocess.run([engine_env.ENGINE_PY, "-m", "kvroute.live.model", "tiny", str(model)], check=True, cwd=ROOT,
+                   timeout=600)
+    hw = load_hardware("cpu")
+    requests, facts = run_probe(hw, tmp_path_factory.mktemp("engines"), PLAN, model_dir=model,
+                                python=engine_env.ENGINE_PY)
+    return hw, requests, facts
+
+
+def test_every_probe_ran_as_planned(probed):
+    hw, requests, facts = probed
+    assert len(requests) == PLAN.count(hw.engine.max_num_seqs) * hw.workers
+    failed = [(r.phase, r.error) for r in requests if r.error]
+    assert len(failed) <= 2, failed  # a shared machine may drop a probe; more is a bug
+    warm = [r for r in requests if r.phase == "prefill" and r.warm and not r.error]
+    block = hw.engine.block_size
+    # the repeat of a prompt reads every full block of it from the prefix cache; the first reads none
+    assert warm and all(r.cached_tokens == (r.prompt_tokens - 1) // block * block for r in warm)
+    assert all(r.cached_tokens == 0 for r in requests if r.phase == "prefill" and not r.warm and not r.error)
+    # the engines' own histograms counted every sequential probe's prefill
+    assert all(r.engine["prefill_s"] > 0 for r in requests if r.phase in ("api", "prefill") and not r.error)
+    assert len(facts["startup_s"]) == PLAN.sessions and min(facts["startup_s"] + facts["probe_s"]) > 0
+
+
+def test_the_fit_is_sane(probed, tmp_path):
+    hw, requests, facts = probed
+    fit = fit_probes(requests, hw, plan_facts(PLAN, hw) | facts)
+    for k in (*FITTED, "api_overhead_ms", "api_jitter_ms"):
+        assert math.isfinite(fit.coefficients[k]) and math.isfinite(fit.errors[k]), k
+    assert fit.coefficients["compute_efficiency"] > 0.05 and fit.coefficients["step_overhead_ms"] > 0.1
+    assert fit.coefficients["api_overhead_ms"] > 0
+    # the model follows the probes within a factor of about 1.5 (log error 0.4) on a shared machine
+    assert fit.rms_log_error() < 0.4, fit.residual_lines()
+    prefills = sorted((o.tokens, o.measured_ms) for o in fit.observations if o.kind == "prefill" and o.cached == 0)
+    assert prefills[-1][1] > 3 * prefills[0][1]  # 2,500 cold tokens take longer than 128
+    out = tmp_path / "cpu.yaml"
+    write_probe_fit(fit, coefficient_entry(fit, hw), out)
+    entry = yaml.safe_load(out.read_text())[hw.coefficients_name]
+    Coefficients(**coefficient_values(entry))
+    assert entry["provenance"]["experiments_read"].startswith("none")
+    assert out.with_suffix(".csv").is_file()

@@ -1,0 +1,229 @@
+"""`kvroute calibrate --probe`'s fit: probes made by the model with known coefficients give them back."""
+
+import math
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvroute.cli import main
+from kvroute.hardware import load_hardware
+from kvroute.live.probe import ProbePlan, ProbeRequest
+from kvroute.probefit import (FITTED, Observation, coefficient_entry, collect, fit_probes, model_at,
+                              observation_table, predict)
+
+TRUTH = {"compute_efficiency": 1.3, "mem_efficiency": 0.8, "step_overhead_ms": 3.0, "per_seq_overhead_ms": 0.25}
+API_MS, JITTER_MS, ADMISSION_MS = 12.0, 4.0, 3.5
+HW = load_hardware("cpu")
+PLAN = ProbePlan(api_probes=40, repetitions=2, decode_tokens=24)
+TEMPLATE = 12  # chat-template tokens around a message's words
+
+
+def synthetic_requests(noise: float = 0.0, seed: int = 1) -> list[ProbeRequest]:
+    """What the probe would record from engines that run exactly the model with TRUTH
+    (times multiplied by lognormal noise of ``noise``): both workers, every phase."""
+    rng = np.random.default_rng(seed)
+    m, budget = model_at(HW, TRUTH), HW.engine.max_num_batched_tokens
+    block = HW.engine.block_size
+
+    def jitter(x):
+        return x * float(np.exp(rng.normal(0.0, noise))) if noise else x
+
+    reqs, t = [], 0.0
+    for w in HW.worker_names:
+        for i in range(PLAN.api_probes):
+            prompt = PLAN.api_words + TEMPLATE
+            pre = jitter(predict(Observation("prefill", prompt, 0, 1, 1.0), m, budget, ADMISSION_MS)) / 1e3
+            api = (API_MS + JITTER_MS * float(rng.uniform(-1, 1))) / 1e3
+            reqs.append(ProbeRequest(w, "api", f"a{i}", PLAN.api_words, 2, rep=i % 2, sent_s=t, token_s=[t + api + pre] * 2,
+                                     prompt_tokens=prompt, output_tokens=2,
+                                     engine={"queue_s": 0.0, "prefill_s": pre, "decode_s": 0.0, "ttft_s": pre,
+                                             "requests": 1.0}))
+        for rep in range(PLAN.repetitions):
+            for n in PLAN.prefill_words:
+                prompt = n + TEMPLATE
+                for warm in (False, True):
+                    cached = (prompt - 1) // block * block if warm else 0
+                    pre = jitter(predict(Observation("prefill", prompt, cached, 1, 1.0), m, budget, ADMISSION_MS)) / 1e3
+                    reqs.append(ProbeRequest(w, "prefill", f"p{rep}:{n}", n, 4, warm=warm, rep=rep, sent_s=t,
+                                             token_s=[t + pre + 0.01 * k for k in range(4)], prompt_tokens=prompt,
+                                             cached_tokens=cached, output_tokens=4,
+                                             engine={"queue_s": 0.0, "prefill_s": pre, "decode_s": 0.03,
+                                                     "ttft_s": pre, "requests": 1.0}))
+        group = 0
+        for rep in range(PLAN.repetitions):
+            for n in PLAN.decode_words:
+                for b in PLAN.batches(HW.engine.max_num_seqs):
+                    prompt = n + TEMPLATE + PLAN.decode_suffix_words
+                    reqs.append(ProbeRequest(w, "decode_prefix", f"d{group}", n, 1, group=group, sent_s=t,
+                                             token_s=[t + 0.05], prompt_tokens=n + TEMPLATE, output_tokens=1))
+                    k = PLAN.decode_tokens
+                    steps = [jitter(m.step_time(b, b * (prompt + i))) for i in range(1, k)]
+                    times = list(np.cumsum([0.01, *steps]))
+                    engine = {"itl_s": b * sum(steps), "itl_tokens": float(b * (k - 1)), "queue_s": 0.0,
+                              "prefill_s": 0.0, "decode_s": b * sum(steps), "ttft_s": 0.0, "requests": float(b)}
+                    for j in range(b):
+                        reqs.append(ProbeRequest(w, "decode", f"d{group}:{j}", n, k, prefix=f"d{group}", rep=rep,
+                                                 suffix_words=PLAN.decode_suffix_words, batch=b, group=group,
+                                                 sent_s=t, token_s=times, prompt_tokens=prompt, output_tokens=k,
+                                                 engine=engine if j == 0 else {}))
+                    group += 1
+    return reqs
+
+
+def test_the_fit_recovers_known_coefficients():
+    fit = fit_probes(synthetic_requests(), HW)
+    for k, v in TRUTH.items():
+        assert fit.coefficients[k] == pytest.approx(v, rel=0.02), k
+    assert fit.rms_log_error() < 0.01
+    assert fit.measured["admission_ms"]["value"] == pytest.approx(ADMISSION_MS, rel=0.05)
+    assert fit.measured["api_cost_ms"]["value"] == pytest.approx(API_MS, abs=1.0)
+    # the simulator pays the admission with the API server's cost
+    assert fit.coefficients["api_overhead_ms"] == pytest.approx(API_MS + ADMISSION_MS, abs=1.0)
+    # uniform in API_MS +- JITTER_MS: the interquartile range is JITTER_MS
+    assert fit.coefficients["api_jitter_ms"] == pytest.approx(JITTER_MS, rel=0.3)
+    assert fit.measured["api_per_token_ms"]["value"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_noisy_probes_give_the_truth_within_the_stated_errors():
+    fit = fit_probes(synthetic_requests(noise=0.05, seed=3), HW)
+    for k in FITTED:
+        se = fit.errors[k]
+        assert math.isfinite(se) and se > 0, k
+        assert abs(fit.coefficients[k] - TRUTH[k]) < 4 * se + 0.05 * TRUTH[k], (k, fit.coefficients[k], se)
+
+
+def test_prefill_is_predicted_in_the_engine_s_chunks():
+    m, budget = model_at(HW, TRUTH), HW.engine.max_num_batched_tokens
+    long = predict(Observation("prefill", budget + 500, 0, 1, 1.0), m, budget)
+    chunks = 1e3 * (m.step_time(0, 0, [(budget, 0)]) + m.step_time(0, 0, [(500, budget)]))
+    assert long == pytest.approx(chunks)
+    assert long != pytest.approx(1e3 * m.step_time(0, 0, [(budget + 500, 0)]))  # two steps, not one
+    warm = predict(Observation("prefill", 1000, 896, 1, 1.0), m, budget)
+    assert warm == pytest.approx(1e3 * m.step_time(0, 0, [(104, 896)]))
+
+
+def test_a_decode_batch_is_one_sample_of_the_engine_s_inter_token_latency():
+    reqs = synthetic_requests()
+    s = collect(reqs)
+    b4 = s.decode[(PLAN.decode_words[-1], 4)]
+    assert len(b4) == PLAN.repetitions * HW.workers  # one sample per batch, not per stream
+    step, ctx = b4[0]
+    m = model_at(HW, TRUTH)
+    assert step == pytest.approx(1e3 * m.step_time(4, 4 * ctx), rel=0.02)
+    # a batch whose engine counted other gaps than its streams' (a stray request) is not used
+    first = next(r for r in reqs if r.phase == "decode" and r.batch == 4)
+    first.engine = first.engine | {"itl_tokens": first.engine["itl_tokens"] + 1}
+    s2 = collect(reqs)
+    assert len(s2.decode[(first.words, 4)]) == len(s.decode[(first.words, 4)]) - 1
+    assert any("inter-token gaps" in r["error"] for r in s2.rows)
+
+
+def test_errors_are_kept_as_rows_but_not_fitted():
+    reqs = synthetic_requests()
+    reqs[0].error = "http 500: boom"
+    s = collect(reqs)
+    assert len(s.api) == PLAN.api_probes * HW.workers - 1
+    assert sum(bool(r["error"]) for r in s.rows) == 1 and not s.rows[0]["used"]
+    with pytest.raises(ValueError, match="too few usable probes"):
+        fit_probes([r for r in reqs if r.phase != "decode"], HW)
+
+
+def test_the_entry_is_a_coefficients_entry_that_says_what_it_read():
+    from kvroute.hardware import Coefficients, coefficient_values
+
+    fit = fit_probes(synthetic_requests(), HW, {"workers": 2})
+    entry = coefficient_entry(fit, HW)
+    (family, e), = entry.items()
+    assert family == HW.coefficients_name
+    Coefficients(**coefficient_values(e))  # loads as the simulator's coefficients
+    prov = e["provenance"]
+    assert prov["experiments_read"].startswith("none")
+    assert set(prov["fitted"]) == set(FITTED) and all(v["se"] > 0 for v in prov["fitted"].values())
+    assert len(prov["residuals"]) == len(fit.observations)
+    table = observation_table(fit)
+    assert set(table["level"]) == {"condition", "probe"}
+    used = table[(table["level"] == "probe") & table["used"]]
+    assert used["predicted_ms"].notna().all() and len(used) == sum(r["used"] for r in fit.rows)
+    assert len(table[table["level"] == "probe"]) == len(fit.rows)  # every probe, used or not
+
+
+def test_probe_calibration_takes_no_experiment(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(main, ["calibrate", "exp.yaml", str(tmp_path), "--hardware", "cpu", "--probe",
+                               "--out", str(tmp_path / "f.yaml")])
+    assert res.exit_code != 0 and "reads no experiment" in res.output
+    res = runner.invoke(main, ["calibrate", "--hardware", "cpu", "--out", str(tmp_path / "f.yaml")])
+    assert res.exit_code != 0 and "--probe" in res.output
+    res = runner.invoke(main, ["calibrate", "--hardware", "nonesuch", "--probe", "--out", str(tmp_path / "f.yaml")])
+    assert res.exit_code != 0 and "nonesuch" in res.output
+
+
+def test_a_coefficient_the_probes_cannot_pin_down_is_flagged():
+    # every decode step as long as the step overhead alone: no cost per sequence, so the
+    # per-sequence overhead runs to its lower bound
+    reqs = synthetic_requests()
+    m0 = model_at(HW, TRUTH | {"mem_efficiency": 1e3, "per_seq_overhead_ms": 0.0})
+    for r in reqs:
+        if r.phase == "decode" and r.engine:
+            r.engine = r.engine | {"itl_s": r.engine["itl_tokens"] * m0.step_time(1, 1)}
+    fit = fit_probes(reqs, HW)
+    assert "lower bound" in fit.probed["not_identified"]["per_seq_overhead_ms"]
+    assert "compute_efficiency" not in fit.probed["not_identified"]
+    assert "not_identified" not in fit_probes(synthetic_requests(), HW).probed
+
+
+def test_the_stated_errors_include_the_spread_between_repetitions():
+    fit = fit_probes(synthetic_requests(noise=0.05, seed=4), HW)
+    assert fit.probed["usable"]["jackknife_blocks"] == HW.workers * PLAN.repetitions
+    for k in FITTED:
+        # (the provenance rounds to 2 digits)
+        assert fit.errors[k] >= fit.probed["se_fit"][k] * 0.95 and fit.errors[k] >= fit.probed["se_jackknife"][k] * 0.95
+        assert fit.probed["se_jackknife"][k] > 0
+
+
+def test_a_loaded_machine_is_named_in_the_provenance():
+    fit = fit_probes(synthetic_requests(), HW, {"cores": 2, "load_average_before": [7.5, 6.0, 5.0],
+                                                "load_average_after": [1.0, 1.0, 1.0]})
+    assert "7.5 on 2 cores" in coefficient_entry(fit, HW)[HW.coefficients_name]["provenance"]["warning"]
+    quiet = fit_probes(synthetic_requests(), HW, {"cores": 2, "load_average_before": [0.5, 0.4, 0.3],
+                                                  "load_average_after": [1.2, 1.0, 0.9]})
+    assert "warning" not in coefficient_entry(quiet, HW)[HW.coefficients_name]["provenance"]
+
+
+def test_a_saved_probe_table_fits_the_same():
+    from kvroute.live.probe import ProbeRequest as PR
+
+    fit = fit_probes(synthetic_requests(noise=0.05, seed=5), HW)
+    rows = observation_table(fit)
+    again = [PR.from_row(r) for r in rows[rows["level"] == "probe"].to_dict("records")]
+    refit = fit_probes(again, HW)
+    for k in (*FITTED, "api_overhead_ms", "api_jitter_ms"):
+        assert refit.coefficients[k] == pytest.approx(fit.coefficients[k], rel=1e-3), k
+
+
+def test_workers_that_differ_widen_the_stated_errors():
+    reqs = synthetic_requests(noise=0.02, seed=6)
+    base = fit_probes(reqs, HW)
+    for r in reqs:  # worker w1's engine runs every step 30% slower
+        if r.worker == "w1":
+            r.engine = {k: (v * 1.3 if k.endswith("_s") and k != "queue_s" else v) for k, v in r.engine.items()}
+    slow = fit_probes(reqs, HW)
+    assert set(slow.probed["without_process"]) == {f"session 0 {w}" for w in HW.worker_names}
+    assert slow.errors["step_overhead_ms"] > 2 * base.errors["step_overhead_ms"]
+    assert slow.errors["step_overhead_ms"] >= slow.probed["se_processes"]["step_overhead_ms"] * 0.95
+
+
+def test_sessions_are_kept_apart():
+    # a second start of the engines numbers its batches from 0 again: they must not merge
+    import copy
+
+    one = synthetic_requests(noise=0.02, seed=7)
+    two = copy.deepcopy(synthetic_requests(noise=0.02, seed=8))
+    for r in two:
+        r.session = 1
+    fit = fit_probes(one + two, HW)
+    assert fit.probed["usable"]["decode_batches"] == 2 * sum(1 for r in one if r.phase == "decode" and r.engine)
+    assert fit.probed["usable"]["failed"] == 0
+    assert len(fit.probed["without_process"]) == 2 * HW.workers
+    assert fit.probed["usable"]["jackknife_blocks"] == 2 * HW.workers * PLAN.repetitions
