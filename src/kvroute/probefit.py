@@ -242,6 +242,30 @@ def _estimate(s: Samples, obs: list[Observation], hw: Hardware) -> tuple[dict[st
     return est, dict(zip(names, map(float, se_x)))
 
 
+def _jackknife_se(requests: list, grouped: list, key, est: dict[str, float], hw,
+                  min_groups: int) -> tuple[dict[str, float], list, list[dict[str, float]]]:
+    """Jackknife standard errors of every estimate in ``est``, leaving out one group of
+    ``grouped`` (by ``key``) at a time from ``requests`` (NaN with fewer than ``min_groups``
+    groups that fit); also the groups and the fit without each (empty where one failed)."""
+    groups = sorted({key(r) for r in grouped})
+    fits: list[dict[str, float]] = []
+    if len(groups) >= min_groups:
+        for g in groups:
+            rest = collect([r for r in requests if key(r) != g])
+            obs = observations(rest)
+            try:
+                _check(rest, obs)
+            except ValueError:
+                continue
+            fits.append(_estimate(rest, obs, hw)[0])
+    out = {}
+    for k in est:
+        vals = np.array([f[k] for f in fits])
+        n = vals.size
+        out[k] = float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2))) if n >= min_groups else math.nan
+    return out, groups, fits
+
+
 def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | None = None) -> ProbeFit:
     """Fit ``hw``'s family to probe ``requests`` (see the module docstring).
 
@@ -264,41 +288,14 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     api = np.asarray(s.api)
     se_fit |= {"api_cost_ms": bootstrap_se(api, np.median), "api_jitter_ms": bootstrap_se(api, _iqr)}
     se_fit["api_overhead_ms"] = math.hypot(se_fit["api_cost_ms"], se_fit[ADMISSION])
-    blocks = sorted({(r.session, r.worker, r.rep) for r in requests if r.phase in ("api", "prefill", "decode")})
-    jack: list[dict[str, float]] = []
-    if len(blocks) >= 3:
-        for b in blocks:
-            sb = collect([r for r in requests if (r.session, r.worker, r.rep) != b])
-            ob = observations(sb)
-            try:
-                _check(sb, ob)
-            except ValueError:
-                continue
-            jack.append(_estimate(sb, ob, hw)[0])
-    se_jack = {}
-    for k in est:
-        vals = np.array([j[k] for j in jack])
-        n = vals.size
-        se_jack[k] = float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2))) if n >= 3 else math.nan
-    # each engine process (a worker in one session) has its own share of the machine, drawn
-    # afresh by every calibration: the spread between processes' own fits is the run-to-run
-    # part (leave one process out: with two processes, half the difference of their own fits)
-    workers = sorted({(r.session, r.worker) for r in requests})
-    per_worker: list[dict[str, float]] = []
-    if len(workers) >= 2:
-        for w in workers:
-            sw = collect([r for r in requests if (r.session, r.worker) != w])
-            ow = observations(sw)
-            try:
-                _check(sw, ow)
-            except ValueError:
-                continue
-            per_worker.append(_estimate(sw, ow, hw)[0])
-    se_workers = {}
-    for k in est:
-        vals = np.array([j[k] for j in per_worker])
-        n = vals.size
-        se_workers[k] = float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2))) if n >= 2 else math.nan
+    # a delete-one-block jackknife over (session, worker, repetition) blocks of probes; and,
+    # since each engine process (a worker in one session) has its own share of the machine,
+    # drawn afresh by every calibration, a leave-one-process-out jackknife for the run-to-run
+    # part (with two processes: half the difference of their own fits)
+    timed = [r for r in requests if r.phase in ("api", "prefill", "decode")]
+    se_jack, _, jack = _jackknife_se(requests, timed, lambda r: (r.session, r.worker, r.rep), est, hw, min_groups=3)
+    se_workers, workers, per_worker = _jackknife_se(requests, requests, lambda r: (r.session, r.worker), est, hw,
+                                                    min_groups=2)
     se = {k: max((v for v in (se_fit[k], se_jack[k], se_workers[k]) if math.isfinite(v)), default=math.nan)
           for k in est}
 
