@@ -20,6 +20,7 @@ provenance's ``in_sample_for`` in ``hardware/coefficients.yaml``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,7 +40,8 @@ class ValidationError(ValueError):
     """Predicted and measured rows that are not the same experiment."""
 
 
-def in_sample_experiments(hardware: str, coefficients: tuple[Path, ...] = ()) -> set[str]:
+@functools.cache  # asked once per row: read each file once per process
+def in_sample_experiments(hardware: str, coefficients: tuple[Path, ...] = ()) -> frozenset[str]:
     """Experiments the hardware family's coefficients were fitted to (their provenance's
     ``in_sample_for``): from the first of ``coefficients`` (files of entries the simulation
     used instead, ``kvroute simulate --coefficients``) that has the family, else from
@@ -51,9 +53,9 @@ def in_sample_experiments(hardware: str, coefficients: tuple[Path, ...] = ()) ->
     for f in coefficients:
         entries = read_yaml(f) or {}
         if family in entries:
-            return set((entries[family].get("provenance") or {}).get("in_sample_for") or ())
+            return frozenset((entries[family].get("provenance") or {}).get("in_sample_for") or ())
     entry = read_yaml(hardware_dir() / "coefficients.yaml")[family]
-    return set((entry.get("provenance") or {}).get("in_sample_for") or ())
+    return frozenset((entry.get("provenance") or {}).get("in_sample_for") or ())
 
 
 def _rel(predicted: float, lo: float, hi: float | None = None, difference: bool = False) -> float:
