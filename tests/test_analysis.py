@@ -441,7 +441,11 @@ def test_manifest_tex(tmp_path):
     assert r"\subsection*{Source}" in text and r"\subsection*{Package versions}" in text
     assert text.index("Source") < text.index("Package versions") < text.index("Other")
     assert "sources.simulated" in text.replace(r"\allowbreak{}", "") and "extra[0].a" in text.replace(r"\allowbreak{}", "")
-    assert text.count(r"\begin{tabular}") == text.count(r"\end{tabular}")
+    assert text.count(r"\begin{longtable}") == text.count(r"\end{longtable}") == 5  # breaks across pages
+    digest = "b6807dfae5f1bf56c9a55f02e9af55a5de50fc94bfb0cd82c6405c06f9e0e2cc"
+    wrapped = render({"config_hash": {"c.yaml": digest}})
+    assert r"b6807dfae5f1bf56\allowbreak{}c9a55f02" in wrapped  # a hash wraps
+    assert digest in wrapped.replace(r"\allowbreak{}", "")
     with pytest.raises(ValueError):
         (tmp_path / "l.json").write_text("[1]")
         write_manifest_tex(tmp_path / "l.json", tmp_path / "x.tex")
