@@ -450,3 +450,18 @@ def test_manifest_tex(tmp_path):
         (tmp_path / "l.json").write_text("[1]")
         write_manifest_tex(tmp_path / "l.json", tmp_path / "x.tex")
     assert "numpy" in render({"packages": {"numpy": "2"}})
+
+
+def test_overfull_boxes_over_a_point_are_found_in_a_latex_log(tmp_path):
+    from kvroute.analysis.latex import check_log, overfull_boxes
+
+    log = ("Overfull \\hbox (63.5383pt too wide) in paragraph at lines 15--16\n"
+           "Overfull \\hbox (0.4pt too wide) in paragraph at lines 20--21\n"
+           "Overfull \\vbox (239.9438pt too high) has occurred while \\output is active []\n"
+           "Underfull \\hbox (badness 10000) in paragraph at lines 9--14\n")
+    bad = overfull_boxes(log)
+    assert [b.split("(")[1].split("pt")[0] for b in bad] == ["63.5383", "239.9438"]  # 0.4 pt passes
+    (tmp_path / "main.log").write_text(log)
+    assert check_log(tmp_path / "main.log") == 1
+    (tmp_path / "ok.log").write_text(log.splitlines()[1] + "\n")
+    assert check_log(tmp_path / "ok.log") == 0

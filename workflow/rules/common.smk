@@ -505,5 +505,6 @@ def get_table_targets():
 
 
 def get_paper_targets():
-    return ([f"{RESULTS}/paper/{n['name']}.pdf" for n in config["notes"]] + [f"{RESULTS}/manifest.json"]
+    return ([f"{RESULTS}/paper/{n['name']}.{ext}" for n in config["notes"] for ext in ("pdf", "layout.txt")]
+            + [f"{RESULTS}/manifest.json"]
             + get_validation_targets())
