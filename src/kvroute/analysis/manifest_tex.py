@@ -22,11 +22,13 @@ from pathlib import Path
 from kvroute.analysis.tables import escape, write_text
 
 #: top-level keys shown first, in this order, with a heading each; the rest follow
-ORDER = ("commit", "dirty", "created", "config_hash", "sources", "results", "hardware", "packages")
+ORDER = ("commit", "dirty", "created", "config_hash", "sources", "results", "hardware", "host", "packages",
+         "environments")
 HEADINGS = {
     "commit": "Source", "dirty": "Source", "created": "Source", "config_hash": "Configuration",
     "sources": "Where each result comes from", "results": "Where each result comes from",
-    "hardware": "Hardware profiles", "packages": "Package versions",
+    "hardware": "Hardware profiles", "host": "The host these results were made on", "packages": "Package versions",
+    "environments": "Package versions",
 }
 
 
