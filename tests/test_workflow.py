@@ -138,6 +138,7 @@ def expected_fresh_jobs(repo: Path) -> Counter:
         manifest=1,
         validate=1,
         note=len(cfg["notes"]),
+        note_layout=len(cfg["notes"]),
         paper=1,
     )
     for a in cfg["analyses"]:
@@ -277,16 +278,17 @@ def test_nothing_to_do_when_built(built, capfd):
 def test_editing_a_notebook_reruns_it_and_its_note_only(built, capfd):
     users = [n for n in _config(built[0])["notes"] if "kv_reuse" in n.get("analyses", [])]
     counts = _after_editing(built, capfd, "notebooks/kv_reuse.ipynb")
-    assert counts == Counter(analyse_kv_reuse=1, note=len(users), paper=1)
+    assert counts == Counter(analyse_kv_reuse=1, note=len(users), note_layout=len(users), paper=1)
 
 
 def test_editing_a_notes_prose_reruns_only_latex(built, capfd):
-    assert _after_editing(built, capfd, "paper/note2/main.tex") == Counter(note=1, paper=1)
+    assert _after_editing(built, capfd, "paper/note2/main.tex") == Counter(note=1, note_layout=1, paper=1)
 
 
 def test_editing_the_shared_preamble_rebuilds_every_note(built, capfd):
     n_notes = len(_config(built[0])["notes"])
-    assert _after_editing(built, capfd, "paper/common/preamble.tex") == Counter(note=n_notes, paper=1)
+    assert _after_editing(built, capfd, "paper/common/preamble.tex") == Counter(note=n_notes, note_layout=n_notes,
+                                                                                  paper=1)
 
 
 def test_editing_the_simulator_reruns_simulations(built, capfd):
@@ -296,10 +298,26 @@ def test_editing_the_simulator_reruns_simulations(built, capfd):
     assert counts["simulate"] == fresh["simulate"]
     assert counts["merge"] == fresh["merge"] and counts["arithmetic"] == fresh["arithmetic"]
     assert counts["workload"] == 0  # traces do not depend on the engine
-    assert counts["note"] == fresh["note"]  # every note prints the provenance table
+    assert counts["note"] == fresh["note"] == counts["note_layout"]  # every note prints the provenance table
     # a notebook that reads no simulation (sticky: measurement only) is not rerun
     readers = {f"analyse_{a['notebook']}" for a in _config(repo)["analyses"] if a.get("sim")}
     assert {r for r in counts if r.startswith("analyse_")} == readers
+
+
+def test_editing_one_policy_reruns_only_its_simulations_and_their_readers(built, capfd):
+    """A docstring edit to policies/kv_aware.py reruns the simulations that run kv_aware
+    (and the merges, validation, notebooks and notes that read them), not every simulation."""
+    from kvroute.pipeline import policy_sources
+
+    repo = built[0]
+    jobs = [r for name in _config(repo)["experiments"]
+            for r in load_experiment(repo / f"config/experiments/{name}.yaml").expand()]
+    runs_it = [r for r in jobs if "src/kvroute/policies/kv_aware.py" in policy_sources(r.policy)]
+    assert 0 < len(runs_it) < len(jobs)
+    counts = _after_editing(built, capfd, "src/kvroute/policies/kv_aware.py")
+    assert counts["simulate"] == len(runs_it)
+    assert counts["merge"] == len({r.experiment for r in runs_it})
+    assert counts["workload"] == 0 and counts["probe"] == 0
 
 
 # ------------------------------------------------------------------ conda environments
@@ -409,4 +427,5 @@ def test_profiles_name_their_executors():
 def test_editing_analysis_code_reruns_notebooks_not_simulations(built, capfd):
     cfg = _config(built[0])
     counts = _after_editing(built, capfd, "src/kvroute/analysis/__init__.py")
-    assert counts == Counter({f"analyse_{a['notebook']}": 1 for a in cfg["analyses"]}, note=len(cfg["notes"]), paper=1)
+    assert counts == Counter({f"analyse_{a['notebook']}": 1 for a in cfg["analyses"]}, note=len(cfg["notes"]),
+                             note_layout=len(cfg["notes"]), paper=1)

@@ -174,6 +174,41 @@ def git_state(repo: Path) -> dict:
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
+def policy_sources(spec: str) -> list[str]:
+    """The files of ``kvroute.policies`` that a simulation of ``spec`` runs, relative to the
+    source root's parent (``src/kvroute/policies/...``): the registry (``__init__.py``), the
+    policy's own module and the package modules it imports, transitively (read from their
+    import statements). A simulation job depends on these, not on every policy, so editing
+    one policy reruns only its own simulations (issue 13, "reruns as narrow as the change")."""
+    import ast
+    import inspect
+
+    from kvroute.policies import parse_spec, policy_class
+
+    package = Path(inspect.getfile(policy_class("random"))).parent  # src/kvroute/policies
+    root = package.parent.parent  # src/
+
+    def imports(path: Path) -> set[Path]:
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                if name.startswith("kvroute.policies."):
+                    out.add(package / (name.split(".")[2] + ".py"))
+        return out
+
+    todo = [Path(inspect.getfile(policy_class(parse_spec(spec)[0])))]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path not in seen and path.is_file():
+            seen.add(path)
+            todo.extend(imports(path) - seen)
+    seen.add(package / "__init__.py")
+    return sorted((Path("src") / p.relative_to(root)).as_posix() for p in seen)
+
+
 def package_versions(names: Iterable[str] = KEY_PACKAGES) -> dict[str, str]:
     """Version of each of ``names`` that is installed (absent ones are left out)."""
     out: dict[str, str] = {}

@@ -182,11 +182,13 @@ def _sources(*patterns):
 
 
 WORKLOAD_SOURCES = _sources("src/kvroute/workload/*.py", "src/kvroute/experiment.py")
-SIM_SOURCES = _sources(
+# A simulation job depends on the simulator and on its own policy's modules only
+# (get_policy_sources), so editing one policy reruns only that policy's simulations.
+SIM_CORE_SOURCES = _sources(
     "src/kvroute/sim/*.py", "src/kvroute/kvcache/*.py", "src/kvroute/costmodel.py",
-    "src/kvroute/hardware.py", "src/kvroute/policies/*.py", "src/kvroute/workload/*.py",
-    "src/kvroute/records.py",
+    "src/kvroute/hardware.py", "src/kvroute/workload/*.py", "src/kvroute/records.py",
 )
+SIM_SOURCES = SIM_CORE_SOURCES + _sources("src/kvroute/policies/*.py")  # every policy: jobs that run them all
 ARITHMETIC_SOURCES = SIM_SOURCES + _sources("src/kvroute/analysis/arithmetic*.py")
 # What a measurement's results depend on: the live stack and what it imports (policies,
 # hashing, workloads, records), not the simulator's engine model, so editing the
@@ -286,6 +288,13 @@ def get_policy_spec(wildcards):
         return _sim_jobs(wildcards.exp)[key]
     except KeyError:
         raise WorkflowError(f"experiment {wildcards.exp} has no job for hardware {key[0]}, policy {key[1]}, round {key[2]}")
+
+
+def get_policy_sources(wildcards):
+    """The policy modules simulate job ``wildcards`` runs (kvroute.pipeline.policy_sources)."""
+    from kvroute.pipeline import policy_sources
+
+    return policy_sources(get_policy_spec(wildcards))
 
 
 def get_sim_job_dirs(wildcards):

@@ -10,7 +10,8 @@ rule simulate:
         trace=rules.workload.output.trace,
         hardware=get_hardware_files,
         coefficients=get_sim_coefficients,  # the probe calibration of measured CPU hardware (measure.probe)
-        sources=SIM_SOURCES,
+        sources=SIM_CORE_SOURCES,
+        policy_sources=get_policy_sources,  # this policy's modules, not every policy's
     output:
         requests="results/sim/{exp}/{hardware}/{policy}/round{round}/requests.parquet",
         summary="results/sim/{exp}/{hardware}/{policy}/round{round}/summary.csv",
