@@ -131,7 +131,7 @@ def expected_fresh_jobs(repo: Path) -> Counter:
     cfg = _config(repo)
     exps = [load_experiment(repo / f"config/experiments/{name}.yaml") for name in cfg["experiments"]]
     jobs = Counter(
-        workload=sum(e.rounds for e in exps),
+        workload=sum(e.rounds * len(e.loads()) for e in exps),
         simulate=sum(len(e.expand()) for e in exps),
         merge=len(exps),
         arithmetic=int(any("tn4-arithmetic" in a.get("sim", []) for a in cfg["analyses"])),
@@ -207,6 +207,39 @@ def test_measure_rules_only_when_enabled(repo, capfd, tmp_path):
     assert "--rounds" not in gpu_job  # the experiment file's rounds
     cpu_job = text.split("rule measure_cpu:", 1)[1].split("\n\n", 1)[0]
     assert "--rounds 2" in cpu_job, cpu_job
+
+
+LOAD_EXPERIMENT = {
+    "name": "load-axis",
+    "seed": 5,
+    "rounds": 2,
+    "load": {"param": "rate_per_s", "values": [2, 2.5, 8]},
+    "workload": {"generator": "sharegpt_like", "params": {"conversations": 6}},
+    "runs": [{"hardware": "a6000x4", "policies": ["round_robin", "cost_aware:alpha=0.5"]}],
+}
+
+
+def test_a_load_axis_is_one_workload_and_simulate_job_per_load(tmp_path, capfd):
+    repo = _make_repo(tmp_path / "repo")
+    (repo / "config/experiments/load-axis.yaml").write_text(yaml.safe_dump(LOAD_EXPERIMENT))
+    overlay = tmp_path / "load.yaml"
+    overlay.write_text(yaml.safe_dump({"experiments": [*_config(repo)["experiments"], "load-axis"]}))
+    target = "results/sim/load-axis/summary.csv"
+    counts, text = dry_run(repo, capfd, targets=(target,), configfiles=[repo / "config/config.yaml", overlay], shell=True)
+    assert counts == Counter(workload=2 * 3, simulate=2 * 3 * 2, merge=1), text[-3000:]
+    exp = load_experiment(repo / "config/experiments/load-axis.yaml")  # as expected_fresh_jobs counts them
+    assert (counts["workload"], counts["simulate"]) == (exp.rounds * len(exp.loads()), len(exp.expand()))
+    for load, folder in ((2, "load2"), (2.5, "load2.5"), (8, "load8")):
+        assert f"results/workload/load-axis/{folder}/round1.parquet" in text
+        assert f"results/sim/load-axis/a6000x4/cost_aware__alpha-0.5/{folder}/round0/summary.csv" in text
+        assert f"--round 1 --load {folder[4:]} --out results/workload/load-axis/{folder}/round1.parquet" in text
+        assert f"--round 0 --load {folder[4:]} --out results/sim/load-axis/a6000x4/round_robin/{folder}/round0" in text
+    merge = re.search(r"kvroute merge --out results/sim/load-axis (.*?) >", text).group(1).split()
+    assert len(merge) == len(set(merge)) == 2 * 3 * 2 and all("/load" in d for d in merge), merge  # every load's jobs
+    # an experiment without a load axis keeps its layout and commands
+    counts, text = dry_run(repo, capfd, targets=("results/sim/note2-6turn/summary.csv",), shell=True)
+    assert counts["simulate"] > 0 and not re.search(r" --load |/load\d", text)
+    assert re.search(r"results/workload/note2-6turn/round0\.parquet", text)
 
 
 CLUSTER_SNAKEMAKE = ROOT / ".venv-cluster" / "bin" / "snakemake"

@@ -54,6 +54,21 @@ def policy_slug(spec: str) -> str:
     return slug
 
 
+def format_load(value: float) -> str:
+    """A load value as text that is exact and safe in a path: ``8`` -> ``8``, ``2.5`` ->
+    ``2.5``, ``10.0`` -> ``10``, ``1e-07`` -> ``1e-07`` (Python's shortest round-trip
+    form, so ``float(text) == value``)."""
+    v = float(value)
+    return str(int(v)) if v.is_integer() and abs(v) < 1e15 else repr(v)
+
+
+def load_slug(value: float | None) -> str:
+    """The folder of one load of a load axis, ``load{V}`` (``load2.5``, ``load10``) with
+    ``V`` = :func:`format_load`, which ``kvroute simulate --load V`` reads back to the
+    same value; empty for no load."""
+    return "" if value is None else f"load{format_load(value)}"
+
+
 # ---------------------------------------------------------------------------- config
 
 
@@ -82,20 +97,26 @@ def config_errors(config: dict, schema: dict) -> list[str]:
 # ---------------------------------------------------------------------------- workload
 
 
-def write_round_trace(experiment: Path, round_: int, out: Path) -> Path:
-    """Write round ``round_``'s workload of ``experiment`` to ``out`` (atomically).
+def write_round_trace(experiment: Path, round_: int, out: Path, load: float | None = None) -> Path:
+    """Write round ``round_``'s workload of ``experiment`` (at ``load``, one value of its
+    load axis, which an experiment with one needs) to ``out`` (atomically).
 
-    The trace is the one ``kvroute simulate`` would draw for that round
+    The trace is the one ``kvroute simulate`` would draw for that round and load
     (:func:`kvroute.sim.run.load_trace`), so simulating from it gives the same records.
     """
-    from kvroute.experiment import ExperimentError, load_experiment
+    from kvroute.experiment import ExperimentError, format_load, load_experiment
     from kvroute.sim.run import load_trace
     from kvroute.workload import write_trace
 
     exp = load_experiment(experiment)
     if round_ >= exp.rounds:
         raise ExperimentError(f"{experiment}: round {round_} asked for, but the experiment has rounds 0..{exp.rounds - 1}")
-    return write_trace(load_trace(exp, round_), out)
+    if exp.load is not None and load is None:
+        values = ", ".join(format_load(v) for v in exp.load.values)
+        raise ExperimentError(f"{experiment}: the experiment has a load axis ({exp.load.param}: {values}); "
+                              "choose one with --load")
+    (value,) = exp.loads(load)
+    return write_trace(load_trace(exp, round_, value), out)
 
 
 # ---------------------------------------------------------------------------- merge
@@ -104,23 +125,24 @@ def write_round_trace(experiment: Path, round_: int, out: Path) -> Path:
 def merge_results(out: Path, dirs: Sequence[Path]) -> tuple[int, int]:
     """Concatenate each folder's requests.parquet and summary.csv into ``out``.
 
-    Rows are sorted by (experiment, hardware, policy, round) and otherwise keep their
-    order within their file, so the result does not depend on the order of ``dirs``.
-    Both files are written atomically.
+    Rows are sorted by (experiment, hardware, policy, load, round) and otherwise keep
+    their order within their file, so the result does not depend on the order of
+    ``dirs``; the ``load_param`` and ``load`` columns pass through (empty without a load
+    axis). Both files are written atomically.
 
     Returns:
         (request rows, summary rows) written.
 
     Raises:
         ValueError: no folders, a folder lacks a file, or two folders hold the same
-            (experiment, hardware, policy, round).
+            (experiment, hardware, policy, round, load).
     """
     import pandas as pd
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from kvroute.records import SUMMARY_KEYS, write_csv, write_requests
+    from kvroute.records import RUN_KEYS, write_csv, write_requests
 
     if not dirs:
         raise ValueError("merge: no result folders given")
@@ -130,17 +152,18 @@ def merge_results(out: Path, dirs: Sequence[Path]) -> tuple[int, int]:
                 raise ValueError(f"merge: {Path(d) / name} does not exist")
     summaries = [pd.read_csv(Path(d) / "summary.csv") for d in dirs]
     summary = pd.concat(summaries, ignore_index=True)
-    dup = summary[summary.duplicated(SUMMARY_KEYS, keep=False)]
+    keys = [k for k in RUN_KEYS if k in summary]  # files from before the load axis lack `load`
+    dup = summary[summary.duplicated(keys, keep=False)]
     if len(dup):
-        key = ", ".join(f"{k}={dup.iloc[0][k]}" for k in SUMMARY_KEYS)
+        key = ", ".join(f"{k}={dup.iloc[0][k]}" for k in keys)
         raise ValueError(f"merge: two folders hold the same run ({key})")
-    summary = summary.sort_values(SUMMARY_KEYS, kind="stable").reset_index(drop=True)
+    summary = summary.sort_values(keys, kind="stable").reset_index(drop=True)
 
     tables = [pq.read_table(Path(d) / "requests.parquet") for d in dirs]
     table = pa.concat_tables(tables, promote_options="default")
     order = pc.sort_indices(
         table.append_column("__row", pa.array(range(table.num_rows), type=pa.int64())),
-        sort_keys=[(k, "ascending") for k in SUMMARY_KEYS] + [("__row", "ascending")],
+        sort_keys=[(k, "ascending") for k in RUN_KEYS if k in table.column_names] + [("__row", "ascending")],
     )
     table = table.take(order)
     out = Path(out)
