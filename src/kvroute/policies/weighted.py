@@ -112,7 +112,8 @@ class WeightedPolicy(Policy):
 
     Weights (float >= 0, at least one > 0): ``prefix``, ``queue``, ``kv``, ``session``,
     ``load`` (module docstring). Defaults: prefix 2, queue 1, kv 1 on the view's prefix
-    match, llm-d's sample precise-prefix configuration (and BLIS's default profile).
+    match, the weights of llm-d's sample precise-prefix configuration (BLIS's default
+    profile since 2026 has the same weights).
 
     Options: ``prefix_source`` (``view`` | ``history``), ``prefix_norm`` (``ratio`` |
     ``minmax``), ``history_blocks`` (int > 0, the history index's LRU capacity per
