@@ -63,8 +63,7 @@ async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: s
                           load_signal: LoadSignal = ROUTER, **load_kwargs):
     kv = {}
     if engines.kv_events:
-        kv = {"kv_events": engines.kv_events, "kv_topic": engines.kv_topics, "tokenizer": engines.tokenizer,
-              "kv_block_size": hw.engine.block_size}
+        kv = {"kv_events": engines.kv_events, "kv_topic": engines.kv_topics, "tokenizer": engines.tokenizer}
     gw = Gateway(
         [f"{n}={u}" for n, u in zip(engines.names, engines.urls)],
         spec,
@@ -72,6 +71,7 @@ async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: s
         redis_url=redis_url,
         load_signal=load_signal,
         kv_capacity_blocks=hw.num_blocks,
+        kv_block_size=hw.engine.block_size,
         **_delay_model(hw),
         **kv,
     )
