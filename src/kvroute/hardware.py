@@ -12,7 +12,7 @@ uses the same set (no per-experiment tuning). A profile file is checked against
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -39,6 +39,36 @@ def hardware_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class ChatTemplate:
+    """Tokens the model's chat template adds around each message, counted with its tokenizer.
+
+    A chat-completions request is rendered through the template before the engine sees it,
+    so a turn's prompt holds these tokens beside the messages' own. ``*_open`` precede a
+    message's content (role header, plus any token a message start costs the tokenizer),
+    ``*_close`` follow it; ``generation_prompt`` is the assistant header the request ends
+    with (the reply's head, cached with the reply), and ``assistant_close`` is what the
+    reply adds when it comes back in the next turn's history (its end tag, and any token its
+    text re-tokenizes into beyond the streamed count). All zero: a trace's counts are the
+    whole prompt. Derived from a tokenizer by ``kvroute model template`` (docs/costmodel.md).
+    """
+
+    system_open: int = 0
+    system_close: int = 0
+    user_open: int = 0
+    user_close: int = 0
+    generation_prompt: int = 0
+    assistant_close: int = 0
+
+    def __post_init__(self) -> None:
+        for k, v in asdict(self).items():
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise ValueError(f"chat_template.{k} must be an int >= 0, got {v!r}")
+
+
+NO_TEMPLATE = ChatTemplate()
+
+
+@dataclass(frozen=True)
 class Model:
     name: str
     params: float
@@ -50,6 +80,7 @@ class Model:
     dtype_bytes: int
     vocab: int = 0  # vocabulary size; 0 counts every parameter as a transformer-body weight
     tied_embeddings: bool = False  # the LM head reuses the input embedding matrix
+    chat_template: ChatTemplate = NO_TEMPLATE  # tokens the template adds per message
     #: MLP width (config.json's intermediate_size); the step model counts weights through
     #: ``params``, so this only lets a check recount ``params`` from the shape (0: not given)
     intermediate: int = 0
@@ -202,7 +233,13 @@ def available_hardware(directory: Path | None = None) -> list[str]:
 
 
 def _model(raw: dict) -> Model:
-    return Model(**{k: (float(v) if k == "params" else v) for k, v in raw.items()})
+    fields = {k: (float(v) if k == "params" else v) for k, v in raw.items()}
+    if "chat_template" in fields:
+        try:
+            fields["chat_template"] = ChatTemplate(**fields["chat_template"])
+        except TypeError as exc:  # an unknown key
+            raise ValueError(f"model {raw.get('name')!r}: chat_template: {exc}") from exc
+    return Model(**fields)
 
 
 def load_model(name: str, directory: Path | None = None) -> Model:

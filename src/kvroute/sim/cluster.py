@@ -401,7 +401,8 @@ class SimCluster:
 
     # -- clients --------------------------------------------------------------------
     def _conversation(self, conv: Conversation, index: int):
-        stream = ConversationStream(conv.system_id, conv.system_tokens, self.hw.engine.block_size)
+        stream = ConversationStream(conv.system_id, conv.system_tokens, self.hw.engine.block_size,
+                                    self.hw.model.chat_template)
         for k, turn in enumerate(conv.turns):
             if k and turn.think_s > 0:
                 yield self.env.timeout(turn.think_s)
