@@ -1,4 +1,6 @@
-"""Seeded synthetic workloads: the research note's chats, ShareGPT-like and agent traffic.
+"""Seeded synthetic workloads: the research note's chats, ShareGPT-like and agent traffic,
+and the registry of every generator (the field's generator and its presets live in
+:mod:`kvroute.workload.field`).
 
 Every generator takes a ``seed`` (an int, turned into ``numpy.random.default_rng``
 streams; there is no global random state) and returns a validated :class:`Trace`
@@ -24,6 +26,7 @@ import numpy as np
 from numpy.random import Generator
 
 from kvroute.workload.common import float_param, int_param, named_streams, seed_param
+from kvroute.workload.field import FIELD_GENERATORS
 from kvroute.workload.trace import Conversation, Trace, Turn
 
 #: Tokens per English word. Rule of thumb "a token is about three quarters of a word"
@@ -383,6 +386,7 @@ GENERATORS: dict[str, Callable[..., Trace]] = {
     "note2": note2,
     "sharegpt_like": sharegpt_like,
     "agent": agent,
+    **FIELD_GENERATORS,  # field and its presets (kvroute.workload.field)
 }
 
 
