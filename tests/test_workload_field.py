@@ -16,7 +16,8 @@ from kvroute.cli import main
 from kvroute.experiment import ExperimentError, load_experiment
 from kvroute.workload import GENERATORS, generate, generator_params, read_trace, write_trace
 from kvroute.workload.distributions import parse_dist
-from kvroute.workload.field import LLMD_LADDER, PRESETS, field
+from kvroute.workload.field import field
+from kvroute.workload.field_presets import LLMD_LADDER, PRESETS
 from kvroute.workload.trace import Trace, Turn
 
 

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "distributions": ("Dist", "parse_dist"),
-    "field": ("FIELD_DEFAULTS", "LLMD_LADDER", "PRESETS", "Preset"),
+    "field": ("FIELD_DEFAULTS",),
+    "field_presets": ("LLMD_LADDER", "PRESETS", "Preset"),
     "generators": (
         "GENERATORS", "TOKENS_PER_WORD", "agent", "generate", "generator_params", "note2",
         "sharegpt_fit", "sharegpt_like", "words_to_tokens",
@@ -45,7 +46,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
     from kvroute.workload.distributions import Dist, parse_dist  # noqa: F401
-    from kvroute.workload.field import FIELD_DEFAULTS, LLMD_LADDER, PRESETS, Preset  # noqa: F401
+    from kvroute.workload.field import FIELD_DEFAULTS  # noqa: F401
+    from kvroute.workload.field_presets import LLMD_LADDER, PRESETS, Preset  # noqa: F401
     from kvroute.workload.generators import (  # noqa: F401
         GENERATORS, TOKENS_PER_WORD, agent, generate, generator_params, note2, sharegpt_fit,
         sharegpt_like, words_to_tokens,
