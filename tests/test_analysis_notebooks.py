@@ -1,4 +1,4 @@
-"""The four analysis notebooks run under papermill on small sample results and write
+"""The analysis notebooks run under papermill on small sample results and write
 exactly what docs/pipeline.md promises; one note compiles with latexmk from them.
 
 The sample results are tiny simulations of the real experiments (same names, small
@@ -37,6 +37,22 @@ SAMPLES = {
     "kv-reuse": {"generator": "sharegpt_like", "params": {"conversations": 30, "rate_per_s": 4.0},
                  "runs": [{"hardware": "a6000x4", "policies": ["random", "least_loaded", "sticky", "kv_aware",
                                                                "cost_aware:alpha=0.5", "cost_aware:alpha=1"]}]},
+    # the field setups (field.ipynb): few groups and sessions, two loads each
+    "field-sglang-gsp": {"generator": "sglang_gsp", "params": {"groups": 4, "prompts_per_group": 3},
+                         "load": {"param": "rate_per_s", "values": [8, 64]},
+                         "runs": [{"hardware": "a100x8", "policies": ["round_robin", "vllm_cache_aware", "kv_aware"]}]},
+    "field-sglang-gsp-burst": {"generator": "sglang_gsp", "params": {"groups": 4, "prompts_per_group": 3},
+                               "runs": [{"hardware": "a100x8", "policies": ["round_robin", "vllm_cache_aware",
+                                                                           "kv_aware"]}]},
+    "field-llmd-precise": {"generator": "llmd_shared_prefix", "params": {"groups": 4, "prompts_per_group": 2},
+                           "load": {"param": "rate_per_s", "values": [3, 30]},
+                           "runs": [{"hardware": "h100x16-tp2", "policies": ["llmd_precise", "llmd_load", "random"]}]},
+    "field-blis-prefix": {"generator": "blis_multiturn", "params": {"conversations": 12},
+                          "load": {"param": "rate_per_s", "values": [50, 5000]},
+                          "runs": [{"hardware": "h100x8-llama-tp2", "policies": ["round_robin", "blis_default"]}]},
+    "field-vllm-multiturn": {"generator": "vllm_multiturn", "params": {"conversations": 4},
+                             "load": {"param": "concurrency", "values": [2, 4]},
+                             "runs": [{"hardware": "a6000x4", "policies": ["round_robin", "kv_aware"]}]},
     "explainer-two-replicas": {"generator": "agent",
                                "params": {"conversations": 4, "concurrency": 1, "system_words": 0,
                                           "first_prompt_tokens": 1500, "last_prompt_tokens": 1616, "min_turns": 2,
@@ -59,11 +75,15 @@ OUTPUTS = {
               "numbers/note2.tex"],
     "tn4": [*[f"figures/tn4/{f}.{e}" for f in ("closed_vs_sim", "per_turn", "note2_shape") for e in ("pdf", "png")],
             "tables/tn4/sweep.tex", "numbers/tn4.tex"],
+    "field": [*[f"figures/field/{f}.{e}" for f in ("sglang", "llmd", "blis", "vllm") for e in ("pdf", "png")],
+              *[f"tables/field/{t}.tex" for t in ("setups", "sglang", "sglang_burst", "llmd", "blis", "vllm")],
+              "numbers/field.tex"],
     "sticky": ["figures/sticky/arithmetic.pdf", "figures/sticky/arithmetic.png", "tables/sticky/arithmetic.tex",
                "tables/sticky/measurement.tex", "numbers/sticky.tex"],
 }
 PARAMS = {
     "kv_reuse": {},
+    "field": {"experiments_dir": str(ROOT / "config/experiments")},
     "note2": {"reported_dir": str(ROOT / "paper/reported"), "experiments_dir": str(ROOT / "config/experiments")},
     "tn4": {"reported_dir": str(ROOT / "paper/reported")},
     "sticky": {"reported_dir": str(ROOT / "paper/reported")},
@@ -77,7 +97,7 @@ def _simulate(name: str, spec: dict, out: Path, tmp: Path, rounds: int = 2) -> N
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"name": name, "seed": 3, "rounds": rounds,
                                     "workload": {"generator": spec["generator"], "params": spec["params"]},
-                                    "runs": spec["runs"]}))
+                                    **({"load": spec["load"]} if "load" in spec else {}), "runs": spec["runs"]}))
     simulate_experiment(load_experiment(path), out)
 
 
@@ -239,7 +259,7 @@ def test_note2_reports_a_calibration(sample_results, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("latexmk") is None, reason="latexmk is not installed: cannot compile a note")
-@pytest.mark.parametrize("note", ["tn4", "sticky"])
+@pytest.mark.parametrize("note", ["tn4", "sticky", "field"])
 def test_note_compiles(note, notebook_outputs, tmp_path):
     import json
 

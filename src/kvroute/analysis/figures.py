@@ -77,9 +77,9 @@ def save(fig, out_dir: Path, family: str, name: str, notebook: str, title: str =
 def label(policy: str) -> str:
     """A readable legend label for a policy spec (``cost_aware:alpha=0.25`` -> ``cost-aware α=0.25``)."""
     name, _, params = policy.partition(":")
-    pretty = {"round_robin": "round-robin", "least_loaded": "least-loaded", "kv_aware": "KV-aware",
-              "cost_aware": "cost-aware", "hybrid_sticky": "hybrid sticky", "prefix_approx": "prefix (SGLang)",
-              "random": "random", "sticky": "sticky", "dynamo": "Dynamo", "loadaware": "load-aware"}.get(name, name)
+    from kvroute.analysis.tables import POLICY_NAMES
+
+    pretty = POLICY_NAMES.get(name, name)
     if not params:
         return pretty
     parts = []
@@ -120,8 +120,10 @@ def against_load(ax, curves, metric: str, scale: float = 1.0, ylabel: str | None
     for pol in order:
         d = data[data["policy"] == pol]
         if d[f"{metric}_half"].notna().any():
-            ax.fill_between(d["load"], scale * d[f"{metric}_lo"], scale * d[f"{metric}_hi"],
-                            color=colours[pol], alpha=0.2, linewidth=0)
+            lo = scale * d[f"{metric}_lo"]
+            if (data["value"].dropna() >= 0).all():  # a non-negative metric: its band stops at zero
+                lo = lo.clip(lower=0)
+            ax.fill_between(d["load"], lo, scale * d[f"{metric}_hi"], color=colours[pol], alpha=0.2, linewidth=0)
     for pol in order:  # legend entries (seaborn's own lines stay unlabelled): fig.legend(*ax.get_legend_handles_labels())
         ax.plot([], [], marker="o", ms=4, lw=1.2, color=colours[pol], label=label(pol))
     param = curves["load_param"].dropna().unique()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvroute.records import write_atomic
 
-NOTES = ("kv-reuse", "note2", "tn4", "sticky")
+NOTES = ("kv-reuse", "note2", "tn4", "sticky", "field")
 #: the largest overfull box a note may have (a reviewer sees text run into the margin past it)
 MAX_OVERFULL_PT = 1.0
 _OVERFULL = re.compile(r"^Overfull \\([hv])box \(([0-9.]+)pt too (?:wide|high)\)(.*)$", re.M)
