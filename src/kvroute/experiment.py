@@ -138,6 +138,13 @@ def load_experiment(path: str | Path) -> Experiment:
                     f"{path}: key workload.params.{key}: unknown parameter of generator "
                     f"{wl['generator']!r}; valid: {', '.join(sorted(valid))}"
                 )
+    if "dataset" in wl:
+        from kvroute.workload import check_dataset_params
+
+        try:
+            check_dataset_params(wl["dataset"], wl.get("params", {}))
+        except ValueError as exc:  # a ParameterError names its key
+            raise ExperimentError(f"{path}: key workload.params.{getattr(exc, 'key', '')}: {exc}") from exc
     try:
         load_signal = LoadSignal.from_config(raw.get("load_signal"))
     except ValueError as exc:  # the message starts with the key (load_signal.KEY: ...)

@@ -76,11 +76,13 @@ def config_errors(config: dict, schema: dict) -> list[str]:
 # ---------------------------------------------------------------------------- workload
 
 
-def write_round_trace(experiment: Path, round_: int, out: Path) -> Path:
+def write_round_trace(experiment: Path, round_: int, out: Path, dataset: Path | None = None) -> Path:
     """Write round ``round_``'s workload of ``experiment`` to ``out`` (atomically).
 
     The trace is the one ``kvroute simulate`` would draw for that round
     (:func:`kvroute.sim.run.load_trace`), so simulating from it gives the same records.
+    ``dataset``: the file a dataset workload converts (a fetched original; default the
+    project's copy), verified by checksum either way.
     """
     from kvroute.experiment import ExperimentError, load_experiment
     from kvroute.sim.run import load_trace
@@ -89,7 +91,7 @@ def write_round_trace(experiment: Path, round_: int, out: Path) -> Path:
     exp = load_experiment(experiment)
     if round_ >= exp.rounds:
         raise ExperimentError(f"{experiment}: round {round_} asked for, but the experiment has rounds 0..{exp.rounds - 1}")
-    return write_trace(load_trace(exp, round_), out)
+    return write_trace(load_trace(exp, round_, dataset), out)
 
 
 # ---------------------------------------------------------------------------- merge

@@ -38,7 +38,7 @@ from kvroute.hardware import hardware_dir, load_hardware, with_coefficients
 from kvroute.policies import make_policy
 from kvroute.records import REQUEST_COLUMNS, requests_table, summarize, write_atomic, write_csv, write_requests
 from kvroute.sim.cluster import SimCluster
-from kvroute.workload import generate, read_trace
+from kvroute.workload import generate, load_dataset, read_trace
 from kvroute.workload.trace import Trace
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,14 @@ def trace_seed(seed: int, round_: int) -> int:
     return int(np.random.SeedSequence([seed, round_]).generate_state(1)[0])
 
 
-def load_trace(exp: Experiment, round_: int) -> Trace:
+def load_trace(exp: Experiment, round_: int, dataset: Path | None = None) -> Trace:
+    """Round ``round_``'s workload: the trace file, the dataset converted (read from
+    ``dataset``, default the project's copy; the same every round) or the generator's draw."""
     wl = exp.workload
     if "trace" in wl:
         return read_trace(Path(wl["trace"]))
+    if "dataset" in wl:
+        return load_dataset(wl["dataset"], dataset, **wl.get("params", {}))
     return generate(wl["generator"], trace_seed(exp.seed, round_), **wl.get("params", {}))
 
 
