@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 LOCK   := envs/requirements.lock
 STAMP  := $(VENV)/.kvroute-installed
 
-.PHONY: paper latex test bench lock clean-venv routers cluster engine-cpu engine-cpu-lock
+.PHONY: paper latex services test bench lock clean-venv routers cluster engine-cpu engine-cpu-lock
 
 # LaTeX for the notes (Debian/Ubuntu packages). Installed automatically when running as
 # root with apt-get; otherwise `make paper` stops and prints this command.
@@ -83,7 +83,23 @@ latex:
 	    exit 1; \
 	fi
 
-test: $(STAMP)
+# The binaries of the services tests start themselves: redis-server (the gateway's session
+# store) and pdftoppm (figure checks). Installed as root with apt-get, as LaTeX is;
+# otherwise `make test` stops and prints the command.
+SERVICES_INSTALL := apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server poppler-utils
+services:
+	@if command -v redis-server >/dev/null && command -v pdftoppm >/dev/null; then \
+	    exit 0; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "redis-server or pdftoppm missing: installing them"; \
+	    $(SERVICES_INSTALL); \
+	else \
+	    echo "redis-server and pdftoppm (the tests' services) are missing; as root, run:" >&2; \
+	    echo "$(SERVICES_INSTALL)" >&2; \
+	    exit 1; \
+	fi
+
+test: $(STAMP) services
 	$(BIN)/python -m pytest -q
 
 # The gateway benchmark measures the Rust routers beside kvroute: it needs $(ROUTERS_VENV).

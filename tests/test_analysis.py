@@ -441,8 +441,27 @@ def test_manifest_tex(tmp_path):
     assert r"\subsection*{Source}" in text and r"\subsection*{Package versions}" in text
     assert text.index("Source") < text.index("Package versions") < text.index("Other")
     assert "sources.simulated" in text.replace(r"\allowbreak{}", "") and "extra[0].a" in text.replace(r"\allowbreak{}", "")
-    assert text.count(r"\begin{tabular}") == text.count(r"\end{tabular}")
+    assert text.count(r"\begin{longtable}") == text.count(r"\end{longtable}") == 5  # breaks across pages
+    digest = "b6807dfae5f1bf56c9a55f02e9af55a5de50fc94bfb0cd82c6405c06f9e0e2cc"
+    wrapped = render({"config_hash": {"c.yaml": digest}})
+    assert r"b6807dfae5f1bf56\allowbreak{}c9a55f02" in wrapped  # a hash wraps
+    assert digest in wrapped.replace(r"\allowbreak{}", "")
     with pytest.raises(ValueError):
         (tmp_path / "l.json").write_text("[1]")
         write_manifest_tex(tmp_path / "l.json", tmp_path / "x.tex")
     assert "numpy" in render({"packages": {"numpy": "2"}})
+
+
+def test_overfull_boxes_over_a_point_are_found_in_a_latex_log(tmp_path):
+    from kvroute.analysis.latex import check_log, overfull_boxes
+
+    log = ("Overfull \\hbox (63.5383pt too wide) in paragraph at lines 15--16\n"
+           "Overfull \\hbox (0.4pt too wide) in paragraph at lines 20--21\n"
+           "Overfull \\vbox (239.9438pt too high) has occurred while \\output is active []\n"
+           "Underfull \\hbox (badness 10000) in paragraph at lines 9--14\n")
+    bad = overfull_boxes(log)
+    assert [b.split("(")[1].split("pt")[0] for b in bad] == ["63.5383", "239.9438"]  # 0.4 pt passes
+    (tmp_path / "main.log").write_text(log)
+    assert check_log(tmp_path / "main.log") == 1
+    (tmp_path / "ok.log").write_text(log.splitlines()[1] + "\n")
+    assert check_log(tmp_path / "ok.log") == 0

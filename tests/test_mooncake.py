@@ -466,3 +466,29 @@ def test_smaller_caches_give_what_an_lru_over_the_same_blocks_gives():
         assert hits(trace, one_worker(512, size), index) == want, size
         rates.append(sum(want))
     assert rates[0] < rates[1] < rates[-1] == sum(unbounded)  # eviction matters here, and less with more room
+
+
+def test_speedup_as_a_load_axis(tmp_path):
+    raw = {"name": "mc-load", "load": {"param": "speedup", "values": [1, 4]},
+           "workload": {"dataset": "mooncake", "params": {"name": "synthetic", "duration_s": 10}},
+           "runs": [{"hardware": "h100x8", "policies": ["round_robin", "sticky"]}]}
+    path = tmp_path / "mc-load.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    exp = load_experiment(path)
+    assert [(r.policy, r.load) for r in exp.expand()] == [("round_robin", 1), ("sticky", 1), ("round_robin", 4), ("sticky", 4)]
+    from kvroute.pipeline import write_round_trace
+
+    slow = read_trace(write_round_trace(path, 0, tmp_path / "1.parquet", 1))
+    fast = read_trace(write_round_trace(path, 0, tmp_path / "4.parquet", 4))
+    arrivals = [[t.arrival_s for c in tr.conversations for t in c.turns] for tr in (slow, fast)]
+    assert arrivals[1] == [a / 4 for a in arrivals[0]] and max(arrivals[0]) > 5
+    raw["load"] = {"param": "name", "values": [1]}
+    raw["workload"]["params"].pop("name")
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ExperimentError, match=r"key load.values.0: name must be a Mooncake trace"):
+        load_experiment(path)
+    raw["load"] = {"param": "speedup", "values": [2]}
+    raw["workload"]["params"]["speedup"] = 2
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ExperimentError, match=r"key workload.params.speedup: the load axis sets speedup"):
+        load_experiment(path)

@@ -190,6 +190,9 @@ def test_manifest_records_provenance(tmp_path):
     m = json.loads(out.read_text())
     assert m["commit"] == "unknown" or len(m["commit"]) == 40
     assert m["packages"]["kvroute"] and m["packages"]["snakemake"]
+    assert m["host"]["cores"] >= 1 and m["host"]["cpu"]  # the host's CPU model (CPU timings depend on it)
+    for env in ("engine-cpu", "routers"):  # every environment: its versions, or that it is not built here
+        assert m["environments"][env], env
     assert {"a6000x4", "cpu", "h100x8"} <= set(m["hardware"])
     assert m["hardware"]["cpu"]["workers"] == 2
     hashes = m["config_hash"]

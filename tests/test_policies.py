@@ -35,6 +35,7 @@ class FakeView:
     inflight: dict[str, int] = field(default_factory=dict)
     waits: dict[str, int] = field(default_factory=dict)
     active: dict[str, int] = field(default_factory=dict)
+    usage: dict[str, float] = field(default_factory=dict)
     delay: dict[str, float] = field(default_factory=dict)
     matched: dict[str, int] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
@@ -55,6 +56,9 @@ class FakeView:
 
     def active_blocks(self, worker: str) -> int:
         return self.active.get(worker, 0)
+
+    def kv_usage(self, worker: str) -> float:
+        return self.usage.get(worker, 0.0)
 
     def queue_delay_s(self, worker: str) -> float:
         return self.delay.get(worker, 0.0)
@@ -96,6 +100,8 @@ ALL_SPECS = [
     "dynamo:temperature=0.5",
     "dynamo:overlap_weight=0",
     "loadaware:beta=0",
+    "weighted:session=1,load=1,prefix_source=history,max_blocks=2",
+    "weighted:prefix_norm=minmax",
 ]
 
 
@@ -112,7 +118,7 @@ def views(draw, min_up: int = 1) -> FakeView:
     sessions = {f"s{i}": draw(st.sampled_from(ws)) for i in range(draw(st.integers(0, 3)))}
     return FakeView(
         workers=ws, down=set(down), inflight=per_worker(ints), waits=per_worker(ints),
-        active=per_worker(st.integers(0, 5000)),
+        active=per_worker(st.integers(0, 5000)), usage=per_worker(st.floats(0, 1)),
         delay=per_worker(st.floats(0, 30, allow_nan=False)),
         matched=per_worker(st.integers(0, 2000)), sizes=per_worker(st.integers(0, 10**5)),
         sessions=sessions, overhead_s=draw(st.sampled_from([0.0, 0.005])),

@@ -25,7 +25,8 @@ def test_registry_names_match_classes_and_cli_names():
     assert POLICY_NAMES == tuple(PolicyName)
     assert {"round_robin", "least_loaded", "sticky", "hybrid_sticky", "cost_aware",
             "kv_aware", "random", "prefix_approx", "dynamo", "loadaware", "vllm_cache_aware",
-            "consistent_hash"} == set(POLICY_NAMES)
+            "consistent_hash", "weighted", "llmd_precise", "llmd_approx", "llmd_load",
+            "blis_queue_depth", "blis_prefix_queue", "blis_default"} == set(POLICY_NAMES)
     for name, cls in POLICIES.items():
         assert cls.name == name.value
         assert cls.__doc__ and len(cls.__doc__) > 80
@@ -127,6 +128,7 @@ def test_each_call_builds_a_fresh_independent_instance(name):
         def in_flight(self, w): return 0
         def waiting(self, w): return 0
         def active_blocks(self, w): return 0
+        def kv_usage(self, w): return 0.0
         def queue_delay_s(self, w): return 0.0
         def matched_tokens(self, w, r): return 0
         def index_size(self, w): return 0

@@ -4,8 +4,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvroute.hardware import ChatTemplate, load_model
 from kvroute.kvcache.hashing import ROOT_HASH, block_hash
 from kvroute.sim.stream import ConversationStream
+
+CHATML = ChatTemplate(system_open=3, system_close=2, user_open=3, user_close=2, generation_prompt=3, assistant_close=2)
 
 
 def reference_chain(stream: ConversationStream) -> list[int]:
@@ -29,9 +32,9 @@ def reference_chain(stream: ConversationStream) -> list[int]:
 @settings(max_examples=60, deadline=None)
 @given(system=st.integers(0, 300), bs=st.sampled_from([4, 16, 128]),
        turns=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 70)), min_size=1, max_size=6),
-       partial=st.booleans())
-def test_incremental_chain_equals_reference(system, bs, turns, partial):
-    s = ConversationStream("sys", system, bs)
+       partial=st.booleans(), templated=st.booleans())
+def test_incremental_chain_equals_reference(system, bs, turns, partial, templated):
+    s = ConversationStream("sys", system, bs, CHATML if templated else ChatTemplate())
     for k, (user, reply) in enumerate(turns):
         s.add_user(7, k, user)
         prompt = s.length
@@ -82,3 +85,28 @@ def test_equal_leading_ids_hash_alike_at_any_block_size(bs):
 def test_add_blocks_checks_the_count():
     with pytest.raises(ValueError, match="3 hash_ids for 1024 tokens"):
         ConversationStream("", 0, 16).add_blocks((1, 2, 3), 1024, 512)
+
+
+def test_the_chat_template_adds_its_tokens_around_every_message():
+    t = load_model("tiny-qwen2").chat_template
+    s = ConversationStream("sys", 800, 128, t)
+    s.add_user(0, 0, 100)
+    assert s.length == t.system_open + 800 + t.system_close + t.user_open + 100 + t.user_close + t.generation_prompt
+    first = s.length
+    s.add_assistant(0, 0, 32)
+    s.add_user(0, 1, 100)
+    assert s.length - first == 32 + t.assistant_close + t.user_open + 100 + t.user_close + t.generation_prompt
+    plain = ConversationStream("sys", 800, 128)
+    plain.add_user(0, 0, 100)
+    assert plain.length == 900  # no template: the trace's counts are the prompt
+
+
+def test_template_tokens_share_blocks_like_the_text_they_are():
+    """The system prompt with its template is one prefix across conversations; the
+    template's tokens after it are the same text too, so the user message is where they part."""
+    a, b = ConversationStream("sys", 800, 16, CHATML), ConversationStream("sys", 800, 16, CHATML)
+    a.add_user(1, 0, 200)
+    b.add_user(2, 0, 200)
+    shared = (3 + 800 + 2 + 3) // 16  # full blocks before the first user token
+    ha, hb = a.chain(a.length), b.chain(b.length)
+    assert ha[:shared] == hb[:shared] and ha[shared] != hb[shared]

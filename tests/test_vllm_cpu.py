@@ -147,6 +147,19 @@ def test_the_tiny_model_is_deterministic_ascii_and_one_token_per_word(tiny_model
     assert out["ascii"], "a token decodes to no text or to non-ASCII text"
 
 
+def test_models_yaml_holds_the_tiny_tokenizers_chat_template(tiny_model):
+    """The simulator's template overhead for the cpu profile is derived from the model's
+    tokenizer (an input), not from measured prompts: re-derive it and compare."""
+    from dataclasses import asdict
+
+    from kvroute.hardware import load_model
+
+    out = subprocess.run([ENGINE_PY, "-m", "kvroute.live.model", "template", str(tiny_model)], check=True,
+                         capture_output=True, text=True, timeout=300).stdout.strip()
+    want = asdict(load_model("tiny-qwen2").chat_template)
+    assert out == "chat_template: {" + ", ".join(f"{k}: {v}" for k, v in want.items()) + "}"
+
+
 def test_turn_two_is_warm_on_the_same_worker_and_cold_on_the_other(engines):
     model = served_model_name(load_hardware("cpu"))
     a, b = engines.urls

@@ -131,13 +131,14 @@ def expected_fresh_jobs(repo: Path) -> Counter:
     cfg = _config(repo)
     exps = [load_experiment(repo / f"config/experiments/{name}.yaml") for name in cfg["experiments"]]
     jobs = Counter(
-        workload=sum(e.rounds for e in exps),
+        workload=sum(e.rounds * len(e.loads()) for e in exps),
         simulate=sum(len(e.expand()) for e in exps),
         merge=len(exps),
         arithmetic=int(any("tn4-arithmetic" in a.get("sim", []) for a in cfg["analyses"])),
         manifest=1,
         validate=1,
         note=len(cfg["notes"]),
+        note_layout=len(cfg["notes"]),
         paper=1,
     )
     for a in cfg["analyses"]:
@@ -225,6 +226,39 @@ def test_a_dataset_workload_is_fetched_first(repo, capfd, tmp_path):
     assert counts["simulate"] == expected_fresh_jobs(repo)["simulate"] + len(mine.expand())
 
 
+LOAD_EXPERIMENT = {
+    "name": "load-axis",
+    "seed": 5,
+    "rounds": 2,
+    "load": {"param": "rate_per_s", "values": [2, 2.5, 8]},
+    "workload": {"generator": "sharegpt_like", "params": {"conversations": 6}},
+    "runs": [{"hardware": "a6000x4", "policies": ["round_robin", "cost_aware:alpha=0.5"]}],
+}
+
+
+def test_a_load_axis_is_one_workload_and_simulate_job_per_load(tmp_path, capfd):
+    repo = _make_repo(tmp_path / "repo")
+    (repo / "config/experiments/load-axis.yaml").write_text(yaml.safe_dump(LOAD_EXPERIMENT))
+    overlay = tmp_path / "load.yaml"
+    overlay.write_text(yaml.safe_dump({"experiments": [*_config(repo)["experiments"], "load-axis"]}))
+    target = "results/sim/load-axis/summary.csv"
+    counts, text = dry_run(repo, capfd, targets=(target,), configfiles=[repo / "config/config.yaml", overlay], shell=True)
+    assert counts == Counter(workload=2 * 3, simulate=2 * 3 * 2, merge=1), text[-3000:]
+    exp = load_experiment(repo / "config/experiments/load-axis.yaml")  # as expected_fresh_jobs counts them
+    assert (counts["workload"], counts["simulate"]) == (exp.rounds * len(exp.loads()), len(exp.expand()))
+    for load, folder in ((2, "load2"), (2.5, "load2.5"), (8, "load8")):
+        assert f"results/workload/load-axis/{folder}/round1.parquet" in text
+        assert f"results/sim/load-axis/a6000x4/cost_aware__alpha-0.5/{folder}/round0/summary.csv" in text
+        assert f"--round 1 --load {folder[4:]} --out results/workload/load-axis/{folder}/round1.parquet" in text
+        assert f"--round 0 --load {folder[4:]} --out results/sim/load-axis/a6000x4/round_robin/{folder}/round0" in text
+    merge = re.search(r"kvroute merge --out results/sim/load-axis (.*?) >", text).group(1).split()
+    assert len(merge) == len(set(merge)) == 2 * 3 * 2 and all("/load" in d for d in merge), merge  # every load's jobs
+    # an experiment without a load axis keeps its layout and commands
+    counts, text = dry_run(repo, capfd, targets=("results/sim/note2-6turn/summary.csv",), shell=True)
+    assert counts["simulate"] > 0 and not re.search(r" --load |/load\d", text)
+    assert re.search(r"results/workload/note2-6turn/round0\.parquet", text)
+
+
 CLUSTER_SNAKEMAKE = ROOT / ".venv-cluster" / "bin" / "snakemake"
 
 
@@ -294,16 +328,17 @@ def test_nothing_to_do_when_built(built, capfd):
 def test_editing_a_notebook_reruns_it_and_its_note_only(built, capfd):
     users = [n for n in _config(built[0])["notes"] if "kv_reuse" in n.get("analyses", [])]
     counts = _after_editing(built, capfd, "notebooks/kv_reuse.ipynb")
-    assert counts == Counter(analyse_kv_reuse=1, note=len(users), paper=1)
+    assert counts == Counter(analyse_kv_reuse=1, note=len(users), note_layout=len(users), paper=1)
 
 
 def test_editing_a_notes_prose_reruns_only_latex(built, capfd):
-    assert _after_editing(built, capfd, "paper/note2/main.tex") == Counter(note=1, paper=1)
+    assert _after_editing(built, capfd, "paper/note2/main.tex") == Counter(note=1, note_layout=1, paper=1)
 
 
 def test_editing_the_shared_preamble_rebuilds_every_note(built, capfd):
     n_notes = len(_config(built[0])["notes"])
-    assert _after_editing(built, capfd, "paper/common/preamble.tex") == Counter(note=n_notes, paper=1)
+    assert _after_editing(built, capfd, "paper/common/preamble.tex") == Counter(note=n_notes, note_layout=n_notes,
+                                                                                  paper=1)
 
 
 def test_editing_the_simulator_reruns_simulations(built, capfd):
@@ -313,10 +348,26 @@ def test_editing_the_simulator_reruns_simulations(built, capfd):
     assert counts["simulate"] == fresh["simulate"]
     assert counts["merge"] == fresh["merge"] and counts["arithmetic"] == fresh["arithmetic"]
     assert counts["workload"] == 0  # traces do not depend on the engine
-    assert counts["note"] == fresh["note"]  # every note prints the provenance table
+    assert counts["note"] == fresh["note"] == counts["note_layout"]  # every note prints the provenance table
     # a notebook that reads no simulation (sticky: measurement only) is not rerun
     readers = {f"analyse_{a['notebook']}" for a in _config(repo)["analyses"] if a.get("sim")}
     assert {r for r in counts if r.startswith("analyse_")} == readers
+
+
+def test_editing_one_policy_reruns_only_its_simulations_and_their_readers(built, capfd):
+    """A docstring edit to policies/kv_aware.py reruns the simulations that run kv_aware
+    (and the merges, validation, notebooks and notes that read them), not every simulation."""
+    from kvroute.pipeline import policy_sources
+
+    repo = built[0]
+    jobs = [r for name in _config(repo)["experiments"]
+            for r in load_experiment(repo / f"config/experiments/{name}.yaml").expand()]
+    runs_it = [r for r in jobs if "src/kvroute/policies/kv_aware.py" in policy_sources(r.policy)]
+    assert 0 < len(runs_it) < len(jobs)
+    counts = _after_editing(built, capfd, "src/kvroute/policies/kv_aware.py")
+    assert counts["simulate"] == len(runs_it)
+    assert counts["merge"] == len({r.experiment for r in runs_it})
+    assert counts["workload"] == 0 and counts["probe"] == 0
 
 
 # ------------------------------------------------------------------ conda environments
@@ -426,4 +477,5 @@ def test_profiles_name_their_executors():
 def test_editing_analysis_code_reruns_notebooks_not_simulations(built, capfd):
     cfg = _config(built[0])
     counts = _after_editing(built, capfd, "src/kvroute/analysis/__init__.py")
-    assert counts == Counter({f"analyse_{a['notebook']}": 1 for a in cfg["analyses"]}, note=len(cfg["notes"]), paper=1)
+    assert counts == Counter({f"analyse_{a['notebook']}": 1 for a in cfg["analyses"]}, note=len(cfg["notes"]),
+                             note_layout=len(cfg["notes"]), paper=1)

@@ -100,7 +100,17 @@ SMALL = {
     "note2": {"chats": 4},
     "sharegpt_like": {"conversations": 30},
     "agent": {"conversations": 6, "concurrency": 3},
+    # the field's generator and its presets (tests/test_workload_field.py has their shapes)
+    "field": {"conversations": 5, "turns": 2},
+    "sglang_gsp": {"groups": 3, "prompts_per_group": 2},
+    "llmd_shared_prefix": {"groups": 3},
+    "llmd_shared_prefix_ladder": {"conversations": 20},
+    "inference_perf_shared_prefix": {"groups": 2},
+    "vllm_multiturn": {"conversations": 4},
+    "blis_multiturn": {"conversations": 6},
 }
+#: Generators whose sizes are given in words (they record the tokens-per-word ratio).
+WORD_SIZED = ("note2", "sharegpt_like", "agent")
 
 
 @pytest.mark.parametrize("name", sorted(GENERATORS))
@@ -116,11 +126,12 @@ def test_different_seed_different_trace(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(GENERATORS))
 def test_meta_records_generator_seed_all_params_and_ratio(name: str) -> None:
     trace = generate(name, 5, **SMALL[name])
-    expected = set(inspect.signature(GENERATORS[name]).parameters) - {"seed"}
-    assert trace.meta["generator"] == name
+    expected = set(inspect.signature(GENERATORS[name]).parameters) - {"seed", "preset"}
+    assert trace.meta["generator"] == (name if name in WORD_SIZED else "field")
     assert trace.meta["seed"] == 5
     assert set(trace.meta["params"]) == expected
-    assert trace.meta["tokens_per_word"] == pytest.approx(4 / 3)
+    if name in WORD_SIZED:
+        assert trace.meta["tokens_per_word"] == pytest.approx(4 / 3)
 
 
 @pytest.mark.parametrize("name", ["sharegpt_like", "agent"])
@@ -229,12 +240,16 @@ def test_agent_rejects_impossible_parameters(params: dict, fragment: str) -> Non
 
 
 def test_registry_names_and_dispatch() -> None:
-    assert set(GENERATORS) == {"note2", "sharegpt_like", "agent"}
+    assert set(GENERATORS) == {
+        "note2", "sharegpt_like", "agent", "field", "sglang_gsp", "llmd_shared_prefix",
+        "llmd_shared_prefix_ladder", "inference_perf_shared_prefix", "vllm_multiturn",
+        "blis_multiturn",
+    }
     assert generate("note2", 0, chats=2, turns=3) == note2(0, chats=2, turns=3)
 
 
 def test_unknown_generator_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match=r"'nope'.*\['agent', 'note2', 'sharegpt_like'\]"):
+    with pytest.raises(ValueError, match=r"'nope'.*\['agent', 'blis_multiturn', 'field', .*'note2', .*'sharegpt_like', 'vllm_multiturn'\]"):
         generate("nope", 0)
 
 

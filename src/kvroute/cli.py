@@ -11,6 +11,14 @@ import click
 
 from kvroute.experiment import ExperimentError, load_experiment
 
+LOAD_HELP = ("{verb} only this value of the experiment's load axis (key load: its param set to it); "
+             "default: every value.")
+
+
+def _load_cols(summary) -> list[str]:
+    """The summary's load column, for printing, where the experiment has a load axis."""
+    return ["load"] if "load" in summary and summary["load"].notna().any() else []
+
 
 @click.command()
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
@@ -26,9 +34,10 @@ from kvroute.experiment import ExperimentError, load_experiment
 @click.option("--time-limit-s", type=float, help="Bound on seconds per policy and round.")
 @click.option("--kv-events", is_flag=True,
               help="Engines publish KV cache events (ZMQ) and the gateway routes from them: an exact view (records: view=exact).")
+@click.option("--load", type=float, help=LOAD_HELP.format(verb="Measure"))
 def measure(experiment: Path, hardware: str, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None,
             engine: str | None, redis_url: str | None, time_scale: float, max_requests: int | None, time_limit_s: float | None,
-            kv_events: bool) -> None:
+            kv_events: bool, load: float | None) -> None:
     """Measure EXPERIMENT on real engines behind the gateway: engines up, load, engines down."""
     from kvroute.live.engines import EngineError
     from kvroute.live.measure import measure_experiment
@@ -36,10 +45,10 @@ def measure(experiment: Path, hardware: str, out: Path, policies: tuple[str, ...
     try:
         exp = load_experiment(experiment)
         summary = measure_experiment(exp, out, hardware, list(policies) or None, rounds, round_, engine, redis_url,
-                                     time_scale, max_requests, time_limit_s, kv_events)
+                                     time_scale, max_requests, time_limit_s, kv_events, load)
     except (ExperimentError, EngineError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
-    cols = ["hardware", "policy", "round", "requests", "errors", "later_ttft_mean_ms", "hit_rate", "imbalance"]
+    cols = ["hardware", "policy", "round", *_load_cols(summary), "requests", "errors", "later_ttft_mean_ms", "hit_rate", "imbalance"]
     click.echo(summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
 
 
@@ -82,18 +91,19 @@ def main(verbose: bool) -> None:
               help="Replay this trace (from `kvroute workload`) instead of drawing the round's workload again.")
 @click.option("--coefficients", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Coefficients entries (e.g. from `kvroute calibrate --probe`) to use for the hardware family instead of hardware/coefficients.yaml.")
+@click.option("--load", type=float, help=LOAD_HELP.format(verb="Simulate") + " One job of a load sweep.")
 def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None, hardware: str | None,
-             trace: Path | None, coefficients: Path | None) -> None:
+             trace: Path | None, coefficients: Path | None, load: float | None) -> None:
     """Simulate EXPERIMENT and write OUT/requests.parquet and OUT/summary.csv."""
     from kvroute.sim.run import simulate_experiment
     from kvroute.workload.sharegpt import DownloadError
 
     try:
         exp = load_experiment(experiment)
-        summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, trace, coefficients)
+        summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, trace, coefficients, load)
     except (ExperimentError, ValueError, DownloadError) as exc:  # DownloadError: a dataset failing its checksum
         raise click.ClickException(str(exc)) from exc
-    cols = ["hardware", "policy", "round", "time_to_complete_s", "later_ttft_mean_ms", "hit_rate", "imbalance"]
+    cols = ["hardware", "policy", "round", *_load_cols(summary), "time_to_complete_s", "later_ttft_mean_ms", "hit_rate", "imbalance"]
     click.echo(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
 
 
@@ -102,15 +112,16 @@ def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--round", "round_", required=True, type=click.IntRange(min=0), help="Round (0-based) whose workload to write.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Trace file to write (parquet).")
+@click.option("--load", type=float, help="The value of the experiment's load axis to write the workload at (required when it has one).")
 @click.option("--dataset", "dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The file a dataset workload converts (from `kvroute fetch`); default: the project's copy. Verified by checksum.")
-def workload(experiment: Path, round_: int, out: Path, dataset: Path | None) -> None:
+def workload(experiment: Path, round_: int, out: Path, load: float | None, dataset: Path | None) -> None:
     """Write round ROUND's workload of EXPERIMENT to OUT, as `kvroute simulate` would draw it."""
     from kvroute.pipeline import write_round_trace
     from kvroute.workload.sharegpt import DownloadError
 
     try:
-        path = write_round_trace(experiment, round_, out, dataset)
+        path = write_round_trace(experiment, round_, out, load, dataset)
     except (ExperimentError, ValueError, DownloadError) as exc:  # DownloadError: a file failing its checksum
         raise click.ClickException(str(exc)) from exc
     click.echo(f"wrote {path}")

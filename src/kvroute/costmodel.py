@@ -16,6 +16,17 @@ counts every parameter as body, as the model did before the split.
 
 multiplied by ``share`` when several workers time-share one device. This is the one
 place latency comes from: the engine model never hard-codes a duration.
+
+A worker spanning ``tp`` GPUs (tensor parallelism) reads ``1/tp`` of the weights and of
+the KV on each and does ``1/tp`` of the FLOPs, so ``bw`` and ``peak`` are ``tp`` GPUs'
+worth, and it all-reduces each layer's activations twice (after attention and after the
+MLP), ``tokens x hidden x dtype_bytes`` each, over the ``gpu.interconnect``: a ring
+all-reduce sends ``2 (tp - 1) / tp`` of the bytes through each GPU's link, plus a fixed
+latency per collective. That time is added to the step, not overlapped with it:
+
+    comm = 2 * layers * (latency + 2 (tp - 1) / tp * tokens * hidden * dtype_bytes / link_bw)
+
+With ``tp`` = 1 there is no communication and the model is the one above, bit for bit.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvroute.hardware import Hardware
+from kvroute.hardware import Hardware, Model
 
 TFLOP = 1e12
 GBPS = 1e9
@@ -44,21 +55,40 @@ class StepTimeModel:
     peak: float  # effective FLOP/s
     step_overhead_s: float
     per_seq_overhead_s: float
+    # tensor parallelism's all-reduces (zero on one GPU): their latencies, paid once a step,
+    # and their transfer time per token in the step
+    comm_step_s: float = 0.0
+    comm_per_token_s: float = 0.0
 
     @classmethod
     def from_hardware(cls, hw: Hardware) -> StepTimeModel:
-        m, c = hw.model, hw.coefficients
+        m, c, tp = hw.model, hw.coefficients, hw.tensor_parallel
+        comm_step, comm_token = 0.0, 0.0
+        if tp > 1:
+            if hw.interconnect is None:
+                raise ValueError(f"hardware {hw.name!r}: tensor_parallel {tp} needs gpu.interconnect")
+            link = hw.interconnect
+            collectives = allreduces_per_step(m)
+            comm_step = collectives * allreduce_s(0, tp, link.bw_gbps, link.latency_us)
+            comm_token = collectives * allreduce_s(m.hidden * m.dtype_bytes, tp, link.bw_gbps, 0.0)
         return cls(
             weight_bytes=m.read_bytes_per_step,
-            kv_bytes_per_token=m.kv_bytes_per_token,
+            kv_bytes_per_token=hw.kv_bytes_per_token,
             flops_per_token=2.0 * m.body_params,
             head_flops_per_seq=2.0 * m.head_params,
             attn_flops_per_pair=4.0 * m.layers * m.heads * m.head_dim,
-            bw=hw.mem_bw_gbps * GBPS * c.mem_efficiency,
-            peak=hw.tflops * TFLOP * c.compute_efficiency,
+            # each of the tp GPUs reads 1/tp of the bytes and does 1/tp of the FLOPs
+            bw=hw.mem_bw_gbps * GBPS * c.mem_efficiency * tp,
+            peak=hw.tflops * TFLOP * c.compute_efficiency * tp,
             step_overhead_s=c.step_overhead_ms * 1e-3,
             per_seq_overhead_s=c.per_seq_overhead_ms * 1e-3,
+            comm_step_s=comm_step,
+            comm_per_token_s=comm_token,
         )
+
+    def comm_time(self, tokens: int) -> float:
+        """Seconds a step of ``tokens`` tokens spends in tensor parallelism's all-reduces."""
+        return self.comm_step_s + self.comm_per_token_s * tokens
 
     def step_time(
         self,
@@ -85,6 +115,8 @@ class StepTimeModel:
         comp = (self.flops_per_token * tokens + self.head_flops_per_seq * seqs
                 + self.attn_flops_per_pair * pairs) / self.peak
         fixed = self.step_overhead_s + self.per_seq_overhead_s * seqs
+        if self.comm_step_s or self.comm_per_token_s:  # tensor parallel (kept out on one GPU: same bits)
+            fixed += self.comm_step_s + self.comm_per_token_s * tokens
         return share * (fixed + max(mem, comp))
 
     def decode_steps(self, n: int, ctx0: int, k: int, share: float = 1.0) -> list[float]:
@@ -97,6 +129,8 @@ class StepTimeModel:
         simulator can advance many steps at once.
         """
         fixed = self.step_overhead_s + self.per_seq_overhead_s * n
+        if self.comm_step_s or self.comm_per_token_s:  # n tokens a step: a constant all-reduce time
+            fixed += self.comm_step_s + self.comm_per_token_s * n
         # both roofline terms are linear in the step index i: t_i = base + slope * i
         mem0 = (self.weight_bytes + self.kv_bytes_per_token * ctx0) / self.bw
         mem_slope = self.kv_bytes_per_token * n / self.bw
@@ -134,5 +168,25 @@ class StepTimeModel:
         if tokens <= 0:
             return 0.0
         pairs = tokens * (context + tokens / 2.0)
-        return (self.flops_per_token * tokens + self.head_flops_per_seq
-                + self.attn_flops_per_pair * pairs) / self.peak
+        compute = (self.flops_per_token * tokens + self.head_flops_per_seq
+                   + self.attn_flops_per_pair * pairs) / self.peak
+        if self.comm_per_token_s:  # the tokens' share of the all-reduces' transfers
+            compute += self.comm_per_token_s * tokens
+        return compute
+
+
+def allreduces_per_step(model: Model) -> int:
+    """All-reduces of a tensor-parallel step: two per transformer layer (after attention's
+    output projection and after the MLP's down projection, Megatron-style as vLLM splits them)."""
+    return 2 * model.layers
+
+
+def allreduce_s(nbytes: float, tp: int, bw_gbps: float, latency_us: float) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` over ``tp`` GPUs: ``latency`` plus
+    ``2 (tp - 1) / tp`` of the bytes through each GPU's link of ``bw_gbps`` (GB/s, per
+    direction): a reduce-scatter and an all-gather, ``tp - 1`` steps of ``nbytes / tp`` each."""
+    if tp < 1:
+        raise ValueError(f"tp must be at least 1, got {tp}")
+    if tp == 1:
+        return 0.0
+    return latency_us * 1e-6 + 2.0 * (tp - 1) / tp * nbytes / (bw_gbps * GBPS)

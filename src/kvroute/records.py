@@ -1,8 +1,10 @@
 """The one record schema shared by simulation and measurement, and its summary.
 
 ``requests.parquet`` holds one row per request (turn); ``summary.csv`` one row per
-(experiment, hardware, policy, round). Both worlds write them through this module,
-so notebooks compare them without adapters. See DESIGN.md for the contract.
+(experiment, hardware, policy, round), and per load where the experiment has a load
+axis (``load_param`` names the workload parameter swept, ``load`` its value; both are
+empty without one). Both worlds write them through this module, so notebooks compare
+them without adapters. See DESIGN.md for the contract.
 
 Imbalance is the coefficient of variation (population std / mean) of per-worker
 work, where a worker's work is the tokens it computed: uncached prompt tokens plus
@@ -48,9 +50,15 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
     "seed": pa.int64(),
     "queue_ms": pa.float64(),  # engine receipt to first admission
     "preemptions": pa.int32(),
+    "load_param": pa.string(),  # the load axis's workload parameter (rate_per_s, chats...); null without one
+    "load": pa.float64(),  # its value for this run; null without a load axis
 }
 
+#: what the ``workers`` of :func:`summarize` are keyed by (a run's workers do not depend on its load)
 SUMMARY_KEYS = ["experiment", "hardware", "policy", "round"]
+#: a run's identity and the order of summary rows and merged records: a load axis's
+#: values sort within a policy, rounds within a load (no load: NaN, one group)
+RUN_KEYS = ["experiment", "hardware", "policy", "load", "round"]
 
 
 def requests_table(rows: Sequence[dict]) -> pa.Table:
@@ -88,6 +96,12 @@ def write_requests(table: pa.Table, path: Path) -> None:
 
 
 def write_csv(df: pd.DataFrame, path: Path) -> None:
+    """``df`` as CSV, floats to 6 significant digits except ``load``, written exactly
+    (a load axis's values identify runs: 0.1234567 must not read back as 0.123457)."""
+    if "load" in df and pd.api.types.is_float_dtype(df["load"]):
+        from kvroute.pipeline import format_load
+
+        df = df.assign(load=[format_load(v) if math.isfinite(v) else "" for v in df["load"]])
     write_atomic(Path(path), lambda tmp: df.to_csv(tmp, index=False, float_format="%.6g"))
 
 
@@ -98,15 +112,22 @@ def imbalance(work_by_worker: Sequence[float]) -> float:
 
 
 def summarize(df: pd.DataFrame, workers: dict[tuple, Sequence[str]] | None = None) -> pd.DataFrame:
-    """One summary row per (experiment, hardware, policy, round).
+    """One summary row per run: (experiment, hardware, policy, round) and load.
+
+    Columns: the keys, ``load_param`` and ``load`` (empty without a load axis), then the
+    metrics.
 
     Args:
-        df: request records.
-        workers: all worker names per group key, so idle workers count in imbalance;
-            by default the workers seen in the records.
+        df: request records (without ``load`` columns: no load axis).
+        workers: all worker names per (experiment, hardware, policy, round), so idle
+            workers count in imbalance; by default the workers seen in the records.
     """
+    df = df.assign(load=pd.to_numeric(df["load"], errors="coerce") if "load" in df else math.nan,
+                   load_param=df["load_param"] if "load_param" in df else None)
     out = []
-    for key, g in df.groupby(SUMMARY_KEYS, sort=True):
+    for key, g in df.groupby(RUN_KEYS, sort=True, dropna=False):
+        run = dict(zip(RUN_KEYS, key))
+        key = tuple(run[k] for k in SUMMARY_KEYS)
         ok = g[g["status"] == "ok"]
         later = ok[ok["turn"] > 0]
         ttft = ok["ttft_ms"]
@@ -114,6 +135,8 @@ def summarize(df: pd.DataFrame, workers: dict[tuple, Sequence[str]] | None = Non
         names = list(workers.get(key, work.index)) if workers else list(work.index)
         prompt = ok["prompt_tokens"].sum()
         row = dict(zip(SUMMARY_KEYS, key))
+        params = g["load_param"].dropna().unique()
+        row.update(load_param=",".join(sorted(params)) if len(params) else None, load=run["load"])
         row.update(
             source=",".join(sorted(g["source"].unique())),
             requests=len(g),

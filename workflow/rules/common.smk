@@ -5,8 +5,10 @@
 #
 # Layout of results/ (see docs/pipeline.md, the contract between stages):
 #   data/mooncake/NAME_trace.jsonl                      kvroute fetch (a dataset workload's file)
-#   workload/EXP/roundR.parquet                         kvroute workload
-#   sim/EXP/HW/POLICY_SLUG/roundR/{requests.parquet,summary.csv,run.json}   kvroute simulate
+#   workload/EXP/[loadV/]roundR.parquet                 kvroute workload
+#   sim/EXP/HW/POLICY_SLUG/[loadV/]roundR/{requests.parquet,summary.csv,run.json}   kvroute simulate
+#     (loadV/: only for an experiment with a load axis, one folder per value; the
+#     wildcard `loaddir` is "loadV/" there and empty otherwise)
 #   sim/EXP/{requests.parquet,summary.csv}              kvroute merge
 #   sim/tn4-arithmetic/{requests.parquet,summary.csv,predictions.csv}       kvroute arithmetic
 #   measure/EXP/HW/{requests.parquet,summary.csv}       kvroute measure (measure.enabled)
@@ -28,7 +30,7 @@ try:
     import kvroute.pipeline
 except ImportError:  # kvroute is not installed beside Snakemake: use the source tree
     sys.path.insert(0, str(Path(workflow.basedir) / "src"))
-from kvroute.pipeline import ARITHMETIC_NAME, config_errors, policy_slug
+from kvroute.pipeline import ARITHMETIC_NAME, config_errors, load_slug, policy_slug
 
 # Rules call `kvroute`, `papermill` and `latexmk` by name: run Snakemake with the
 # environment's bin/ on PATH (`make paper` does; or `source .venv/bin/activate`), or
@@ -128,6 +130,7 @@ wildcard_constraints:
     hardware=r"[A-Za-z0-9_.-]+",
     policy=r"[A-Za-z0-9_.+-]+",
     round=r"\d+",
+    loaddir=r"(load[0-9][0-9.e+-]*/)?",  # "loadV/" on a load axis, else empty
     note=_alternation(n["name"] for n in config["notes"]),
 
 
@@ -183,11 +186,13 @@ def _sources(*patterns):
 
 
 WORKLOAD_SOURCES = _sources("src/kvroute/workload/*.py", "src/kvroute/experiment.py")
-SIM_SOURCES = _sources(
+# A simulation job depends on the simulator and on its own policy's modules only
+# (get_policy_sources), so editing one policy reruns only that policy's simulations.
+SIM_CORE_SOURCES = _sources(
     "src/kvroute/sim/*.py", "src/kvroute/kvcache/*.py", "src/kvroute/costmodel.py",
-    "src/kvroute/hardware.py", "src/kvroute/policies/*.py", "src/kvroute/workload/*.py",
-    "src/kvroute/records.py",
+    "src/kvroute/hardware.py", "src/kvroute/workload/*.py", "src/kvroute/records.py",
 )
+SIM_SOURCES = SIM_CORE_SOURCES + _sources("src/kvroute/policies/*.py")  # every policy: jobs that run them all
 ARITHMETIC_SOURCES = SIM_SOURCES + _sources("src/kvroute/analysis/arithmetic*.py")
 # What a measurement's results depend on: the live stack and what it imports (policies,
 # hashing, workloads, records), not the simulator's engine model, so editing the
@@ -260,9 +265,19 @@ def get_sim_coefficients_arg(wildcards, input):
     return f"--coefficients {input.coefficients[0]}" if input.coefficients else ""
 
 
+def loaddir_of(load):
+    """The `loaddir` wildcard of a load: "loadV/", or "" without a load axis."""
+    return f"{load_slug(load)}/" if load is not None else ""
+
+
+def get_load_arg(wildcards):
+    """``--load V`` for a job of a load axis (from its `loaddir`), else nothing."""
+    return f"--load {wildcards.loaddir[len('load'):-1]}" if wildcards.loaddir else ""
+
+
 @functools.cache
 def _sim_jobs(name):
-    """{(hardware, policy slug, round): policy spec} for every simulation job of experiment ``name``."""
+    """{(hardware, policy slug, loaddir, round): policy spec} for every simulation job of experiment ``name``."""
     jobs = {}
     # production routers (sglang_router:..., vllm_router:...) are measured, never simulated
     runs = _experiment(name, "experiments").expand()
@@ -271,15 +286,15 @@ def _sim_jobs(name):
             slug = policy_slug(run.policy)
         except ValueError as exc:
             _fail(f"experiment {experiment_file(name)}: {exc}")
-        key = (run.hardware, slug, run.round)
+        key = (run.hardware, slug, loaddir_of(run.load), run.round)
         if key in jobs and jobs[key] != run.policy:
             _fail(f"experiment {experiment_file(name)}: policies {jobs[key]!r} and {run.policy!r} share the folder name {slug!r}")
         jobs[key] = run.policy
     return jobs
 
 
-def sim_job_dir(exp, hardware, slug, round_):
-    return f"{RESULTS}/sim/{exp}/{hardware}/{slug}/round{round_}"
+def sim_job_dir(exp, hardware, slug, loaddir, round_):
+    return f"{RESULTS}/sim/{exp}/{hardware}/{slug}/{loaddir}round{round_}"
 
 
 def get_sim_job_count(name=None):
@@ -289,11 +304,19 @@ def get_sim_job_count(name=None):
 
 
 def get_policy_spec(wildcards):
-    key = (wildcards.hardware, wildcards.policy, int(wildcards.round))
+    key = (wildcards.hardware, wildcards.policy, wildcards.loaddir, int(wildcards.round))
     try:
         return _sim_jobs(wildcards.exp)[key]
     except KeyError:
-        raise WorkflowError(f"experiment {wildcards.exp} has no job for hardware {key[0]}, policy {key[1]}, round {key[2]}")
+        at = f", {key[2][:-1]}" if key[2] else ""
+        raise WorkflowError(f"experiment {wildcards.exp} has no job for hardware {key[0]}, policy {key[1]}{at}, round {key[3]}")
+
+
+def get_policy_sources(wildcards):
+    """The policy modules simulate job ``wildcards`` runs (kvroute.pipeline.policy_sources)."""
+    from kvroute.pipeline import policy_sources
+
+    return policy_sources(get_policy_spec(wildcards))
 
 
 def get_sim_job_dirs(wildcards):
@@ -513,5 +536,6 @@ def get_table_targets():
 
 
 def get_paper_targets():
-    return ([f"{RESULTS}/paper/{n['name']}.pdf" for n in config["notes"]] + [f"{RESULTS}/manifest.json"]
+    return ([f"{RESULTS}/paper/{n['name']}.{ext}" for n in config["notes"] for ext in ("pdf", "layout.txt")]
+            + [f"{RESULTS}/manifest.json"]
             + get_validation_targets())

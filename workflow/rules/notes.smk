@@ -6,7 +6,8 @@
 # kvroute.analysis.latex; paths relative to paper/, such as common/preamble.tex, too). The PDF is moved into
 # results/paper/ only after latexmk succeeded. A note depends on its own .tex files,
 # paper/common/, the products of the analyses the config lists for it and the provenance
-# table: editing its prose reruns only LaTeX.
+# table: editing its prose reruns only LaTeX. Rule note_layout then reads TeX's log: a box
+# overfull by more than 1 pt (text in the margin, a table cut at the page's foot) fails it.
 
 
 rule note:
@@ -16,6 +17,7 @@ rule note:
         provenance="results/manifest.tex",
     output:
         pdf="results/paper/{note}.pdf",
+        latex_log="results/paper/{note}.latex.log",  # TeX's main.log, for rule note_layout
     params:
         results=input_dir("provenance"),
     log:
@@ -38,5 +40,20 @@ rule note:
             exit 1
         fi
         cd "$root"
+        cp "$build"/{wildcards.note}/main.log {output.latex_log:q}
         mv "$build"/{wildcards.note}/main.pdf {output.pdf:q}
         """
+
+
+rule note_layout:
+    input:
+        latex_log="results/paper/{note}.latex.log",
+    output:
+        checked="results/paper/{note}.layout.txt",
+    log:
+        "results/logs/notes/{note}.layout.log",
+    conda:
+        "../../envs/simulation.yaml"
+    shell:
+        "python -m kvroute.analysis.latex {input.latex_log:q} > {log:q} 2>&1"
+        " && echo 'no overfull box over 1 pt' > {output.checked:q}"

@@ -1,5 +1,6 @@
-# Stage 2, simulate: one job per experiment x hardware x policy x round (so --cores N and
-# a cluster run them in parallel), one merge per experiment, and technical note 4's sweep.
+# Stage 2, simulate: one job per experiment x hardware x policy x round (x load, on a load
+# axis) (so --cores N and a cluster run them in parallel), one merge per experiment of all
+# its jobs, and technical note 4's sweep.
 # Inputs include the simulator's source files: editing the simulator reruns simulations,
 # editing a notebook or a note does not.
 
@@ -10,24 +11,26 @@ rule simulate:
         trace=rules.workload.output.trace,
         hardware=get_hardware_files,
         coefficients=get_sim_coefficients,  # the probe calibration of measured CPU hardware (measure.probe)
-        sources=SIM_SOURCES,
+        sources=SIM_CORE_SOURCES,
+        policy_sources=get_policy_sources,  # this policy's modules, not every policy's
     output:
-        requests="results/sim/{exp}/{hardware}/{policy}/round{round}/requests.parquet",
-        summary="results/sim/{exp}/{hardware}/{policy}/round{round}/summary.csv",
-        meta="results/sim/{exp}/{hardware}/{policy}/round{round}/run.json",
+        requests="results/sim/{exp}/{hardware}/{policy}/{loaddir}round{round}/requests.parquet",
+        summary="results/sim/{exp}/{hardware}/{policy}/{loaddir}round{round}/summary.csv",
+        meta="results/sim/{exp}/{hardware}/{policy}/{loaddir}round{round}/run.json",
     params:
         spec=get_policy_spec,
         out=output_dir("requests"),
         coefficients=get_sim_coefficients_arg,
+        load=get_load_arg,
     log:
-        "results/logs/simulate/{exp}/{hardware}/{policy}/round{round}.log",
+        "results/logs/simulate/{exp}/{hardware}/{policy}/{loaddir}round{round}.log",
     benchmark:
-        "results/benchmarks/simulate/{exp}/{hardware}/{policy}/round{round}.tsv"
+        "results/benchmarks/simulate/{exp}/{hardware}/{policy}/{loaddir}round{round}.tsv"
     conda:
         "../../envs/simulation.yaml"
     shell:
         "kvroute simulate {input.experiment:q} --trace {input.trace:q} --hardware {wildcards.hardware:q}"
-        " --policy {params.spec:q} --round {wildcards.round} --out {params.out:q} {params.coefficients} > {log:q} 2>&1"
+        " --policy {params.spec:q} --round {wildcards.round} {params.load} --out {params.out:q} {params.coefficients} > {log:q} 2>&1"
 
 
 rule merge:

@@ -1,6 +1,7 @@
-# Stage 1, workload: one trace per experiment and round, shared by every policy and
-# hardware of that round so policies are compared on identical traffic. A dataset
-# workload (workload.dataset) converts a recorded trace, fetched first by fetch_mooncake.
+# Stage 1, workload: one trace per experiment and round (and load, on a load axis: the
+# `loaddir` "loadV/", empty otherwise), shared by every policy and hardware of that round
+# so policies are compared on identical traffic. A dataset workload (workload.dataset)
+# converts a recorded trace, fetched first by fetch_mooncake.
 
 
 rule fetch_mooncake:
@@ -28,14 +29,15 @@ rule workload:
     input:
         unpack(get_workload_inputs),
     output:
-        trace="results/workload/{exp}/round{round}.parquet",
-    params:
-        dataset=get_workload_dataset_arg,
+        trace="results/workload/{exp}/{loaddir}round{round}.parquet",
     log:
-        "results/logs/workload/{exp}/round{round}.log",
+        "results/logs/workload/{exp}/{loaddir}round{round}.log",
     benchmark:
-        "results/benchmarks/workload/{exp}/round{round}.tsv"
+        "results/benchmarks/workload/{exp}/{loaddir}round{round}.tsv"
+    params:
+        load=get_load_arg,
+        dataset=get_workload_dataset_arg,
     conda:
         "../../envs/simulation.yaml"
     shell:
-        "kvroute workload {input.experiment:q} --round {wildcards.round} --out {output.trace:q} {params.dataset} > {log:q} 2>&1"
+        "kvroute workload {input.experiment:q} --round {wildcards.round} {params.load} --out {output.trace:q} {params.dataset} > {log:q} 2>&1"

@@ -1,5 +1,8 @@
 """Figure style and saving: one look for every note, PDF for LaTeX and PNG for the README.
 
+:func:`against_load` draws a metric against an experiment's load axis, one line per
+policy (:mod:`kvroute.analysis.load_curves`).
+
 Figures are sized for a one-column note (:data:`WIDTH_IN` wide, the text width of
 the notes' layout) and drawn with constrained layout so nothing is clipped. Each file
 records the notebook that made it: PDF ``Creator``/``Subject`` and PNG ``Source``
@@ -86,3 +89,47 @@ def label(policy: str) -> str:
         v = f"{v} ms" if k == "threshold" else v
         parts.append(f"{k}={v}" if k != "threshold" else f"{v}")
     return f"{pretty} {' '.join(parts)}"
+
+
+def against_load(ax, curves, metric: str, scale: float = 1.0, ylabel: str | None = None,
+                 policies: list[str] | None = None, palette: dict | None = None, log_x: bool = False) -> None:
+    """Draw ``metric`` against load on ``ax``: one line per policy (markers at the means,
+    a band over the t-interval where there is one), from a
+    :func:`kvroute.analysis.load_curves.load_curves` frame of one experiment and hardware.
+
+    Args:
+        metric: a summarised column (``ttft_mean_ms``, ``goodput_rps``...).
+        scale: factor for the values (100 for a rate in percent).
+        ylabel: the axis label (default :data:`~kvroute.analysis.load_curves.CURVE_METRICS`').
+        policies: which policies, in legend order (default every one, as in ``curves``).
+        palette: colour per policy (default seaborn's colorblind palette in that order).
+        log_x: a logarithmic load axis (for ladders such as 3, 10, 30, 60).
+    """
+    from kvroute.analysis.load_curves import CURVE_METRICS, GOODPUT_METRICS
+
+    if f"{metric}_mean" not in curves:
+        raise ValueError(f"curves have no metric {metric!r}; they have "
+                         f"{', '.join(c[:-5] for c in curves.columns if c.endswith('_mean'))}")
+    if curves[["experiment", "hardware"]].drop_duplicates().shape[0] > 1:
+        raise ValueError("curves hold several experiments or hardware profiles: select one first")
+    order = policies or list(dict.fromkeys(curves["policy"]))
+    colours = palette or dict(zip(order, sns.color_palette("colorblind", len(order))))
+    data = curves[curves["policy"].isin(order)].assign(value=lambda d: scale * d[f"{metric}_mean"])
+    sns.lineplot(data=data, x="load", y="value", hue="policy", hue_order=order, palette=colours, marker="o",
+                 markersize=4, linewidth=1.2, errorbar=None, ax=ax, legend=False)
+    for pol in order:
+        d = data[data["policy"] == pol]
+        if d[f"{metric}_half"].notna().any():
+            ax.fill_between(d["load"], scale * d[f"{metric}_lo"], scale * d[f"{metric}_hi"],
+                            color=colours[pol], alpha=0.2, linewidth=0)
+    for pol in order:  # legend entries (seaborn's own lines stay unlabelled): fig.legend(*ax.get_legend_handles_labels())
+        ax.plot([], [], marker="o", ms=4, lw=1.2, color=colours[pol], label=label(pol))
+    param = curves["load_param"].dropna().unique()
+    ax.set_xlabel({"rate_per_s": "arrival rate (conversations/s)", "chats": "chats at once",
+                   "concurrency": "concurrency", "speedup": "trace speed-up"}.get(param[0], param[0]) if len(param) else "load")
+    ax.set_ylabel(ylabel or {**CURVE_METRICS, **GOODPUT_METRICS}.get(metric, metric))
+    if log_x:
+        ax.set_xscale("log")
+        loads = sorted(data["load"].unique())
+        ax.set_xticks(loads, [f"{v:g}" for v in loads])
+        ax.minorticks_off()

@@ -15,14 +15,34 @@ that in a temporary copy and moves the PDF into place atomically.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from kvroute.records import write_atomic
 
 NOTES = ("kv-reuse", "note2", "tn4", "sticky")
+#: the largest overfull box a note may have (a reviewer sees text run into the margin past it)
+MAX_OVERFULL_PT = 1.0
+_OVERFULL = re.compile(r"^Overfull \\([hv])box \(([0-9.]+)pt too (?:wide|high)\)(.*)$", re.M)
+
+
+def overfull_boxes(log_text: str, max_pt: float = MAX_OVERFULL_PT) -> list[str]:
+    """The Overfull boxes of a LaTeX log wider (or taller) than ``max_pt``, one line each."""
+    return [m[0] for m in _OVERFULL.finditer(log_text) if float(m[2]) > max_pt]
+
+
+def check_log(path: Path, max_pt: float = MAX_OVERFULL_PT) -> int:
+    """Exit status for a note's ``main.log``: 1, naming each box, when one overflows by more than ``max_pt``."""
+    bad = overfull_boxes(Path(path).read_text(errors="replace"), max_pt)
+    for line in bad:
+        print(f"{path}: {line}", file=sys.stderr)
+    if bad:
+        print(f"{path}: {len(bad)} overfull box(es) over {max_pt} pt", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def tex_env(paper_dir: Path, results_dir: Path, base: dict | None = None) -> dict:
@@ -56,3 +76,7 @@ def compile_note(note: str, paper_dir: Path, results_dir: Path, out_pdf: Path, l
             raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
         write_atomic(Path(out_pdf), lambda t: shutil.copyfile(work / "main.pdf", t))
     return Path(out_pdf)
+
+
+if __name__ == "__main__":  # python -m kvroute.analysis.latex main.log: the note rule's check
+    sys.exit(check_log(Path(sys.argv[1])) if len(sys.argv) == 2 else 2)

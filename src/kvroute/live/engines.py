@@ -67,7 +67,9 @@ CPU_MAX_MODEL_LEN = 4096
 #: the longest context of the GPU profiles' model (Qwen2.5-7B-Instruct)
 GPU_MAX_MODEL_LEN = 32768
 #: Hugging Face repository of each model name in hardware/models.yaml
-HF_REPOS: dict[str, str] = {"Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B-Instruct"}
+HF_REPOS: dict[str, str] = {"Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B-Instruct",
+                            "Meta-Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B-Instruct",
+                            "Qwen3-32B": "Qwen/Qwen3-32B"}
 #: where `kvroute model tiny DIR` puts the CPU profile's model unless told otherwise
 DEFAULT_TINY_MODEL_DIR = Path("results/models/tiny-qwen2")
 VLLM_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
@@ -186,10 +188,12 @@ def vllm_command(
         "--max-num-seqs", str(e.max_num_seqs),
         "--gpu-memory-utilization", str(e.gpu_memory_utilization),
         "--dtype", e.dtype,
+        # a worker spanning GPUs (the profile's tensor_parallel) sees all of them
+        *(["--tensor-parallel-size", str(hw.tensor_parallel)] if hw.tensor_parallel > 1 else []),
         *extra_args,
     ]
     env = _common_vllm_env(run_dir, hw.worker_names[index])
-    env["CUDA_VISIBLE_DEVICES"] = str(hw.gpu_of(index))
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, hw.gpus_of(index)))
     return cmd, env
 
 

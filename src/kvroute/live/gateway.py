@@ -681,7 +681,8 @@ class Gateway:
             engines' KV events; needs ``tokenizer`` and ``kv_block_size``.
         tokenizer: ``emulator``, a model folder (chat template + tokenizer.json) or a
             :class:`~kvroute.live.kv_events.ChatTokenizer`.
-        kv_block_size: the engines' KV block size in tokens.
+        kv_block_size: the engines' KV block size in tokens (KV events; the view's
+            ``kv_usage`` under the ``router`` load signal).
         kv_topic / kv_replay: the engines' topic and replay endpoints (worker -> endpoint).
         kv_connect_timeout_s: how long ``start`` waits for every engine's publisher.
         load_signal: where the view's load comes from (:mod:`kvroute.loadsignal`):
@@ -765,6 +766,7 @@ class Gateway:
             exact_index=self.exact_index,
             load_signal=load_signal,
             kv_capacity_blocks=kv_capacity_blocks,
+            kv_block_size=kv_block_size,
         )
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s or max(0.5, min(5.0, health_interval_s))
@@ -1351,7 +1353,8 @@ def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
 @click.option("--tokenizer", default=None,
               help="With --kv-events: the model folder (chat template + tokenizer.json) or 'emulator'.")
 @click.option("--kv-block-size", default=None, type=click.IntRange(min=1),
-              help="With --kv-events: the engines' KV block size in tokens (vLLM: 16 on GPU, 128 on the CPU build).")
+              help="The engines' KV block size in tokens (vLLM: 16 on GPU, 128 on the CPU build); needed with "
+                   "--kv-events, and turns the gateway's own token count into KV usage.")
 @click.option("--kv-topic", default="", help="With --kv-events: the engines' event topic.")
 @click.option("--load-signal", "load_source", default="router", show_default=True,
               type=click.Choice(SOURCES), help="Where the view's load comes from: the gateway's own counters, "
@@ -1362,8 +1365,9 @@ def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
 @click.option("--events-delay-ms", default=None, type=click.FloatRange(min=0),
               help="With --load-signal events: how late KV events reach the view.")
 @click.option("--kv-capacity-blocks", default=None, type=click.IntRange(min=1),
-              help="With --load-signal scraped: the engines' KV cache in blocks (kv_cache_usage_perc -> active "
-                   "blocks; default: the gateway's own block count).")
+              help="The engines' KV cache in blocks: with --load-signal scraped, kv_cache_usage_perc -> active "
+                   "blocks (default: the gateway's own block count); otherwise the KV usage the view reads is its "
+                   "own token count over this capacity (without it, 0).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policy's rng.")
 @click.option("--log-level", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),

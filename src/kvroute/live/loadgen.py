@@ -533,6 +533,8 @@ def records_for(
     seed: int | None = None,
     view: str | None = None,
     load_signal: str | None = None,
+    load_param: str | None = None,
+    load: float | None = None,
 ) -> list[dict]:
     """Rows of :func:`replay` as :mod:`kvroute.records` rows.
 
@@ -544,7 +546,7 @@ def records_for(
         raise ValueError(f"source must be one of {', '.join(SOURCES)} for a measurement, got {source!r}")
     common = {"source": source, "experiment": experiment, "hardware": hardware, "policy": policy,
               "round": int(round), "seed": seed, "view": view,
-              "load_signal": load_signal}
+              "load_signal": load_signal, "load_param": load_param, "load": load}
     out = []
     for r in rows:
         rec = {**common, **{k: r.get(k) for k in REQUEST_COLUMNS if k in r}}

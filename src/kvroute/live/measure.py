@@ -47,9 +47,10 @@ from kvroute.live.gateway import Gateway
 from kvroute.live.loadgen import WORKER_FIELD, LoadResult, records_for, run_load, write_results
 from kvroute.live.peers import PeerError, is_peer_spec, parse_peer_spec, routers_venv, running_peer
 from kvroute.loadsignal import ROUTER, LoadSignal
+from kvroute.pipeline import format_load
 from kvroute.policies import make_policy
 from kvroute.records import imbalance, write_csv
-from kvroute.sim.run import load_trace, trace_seed
+from kvroute.sim.run import load_columns, load_trace, trace_seed
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,7 @@ async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: s
                           load_signal: LoadSignal = ROUTER, **load_kwargs):
     kv = {}
     if engines.kv_events:
-        kv = {"kv_events": engines.kv_events, "kv_topic": engines.kv_topics, "tokenizer": engines.tokenizer,
-              "kv_block_size": hw.engine.block_size}
+        kv = {"kv_events": engines.kv_events, "kv_topic": engines.kv_topics, "tokenizer": engines.tokenizer}
     gw = Gateway(
         [f"{n}={u}" for n, u in zip(engines.names, engines.urls)],
         spec,
@@ -71,6 +71,7 @@ async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: s
         redis_url=redis_url,
         load_signal=load_signal,
         kv_capacity_blocks=hw.num_blocks,
+        kv_block_size=hw.engine.block_size,
         **_delay_model(hw),
         **kv,
     )
@@ -137,12 +138,15 @@ def measure_experiment(
     max_requests: int | None = None,
     time_limit_s: float | None = None,
     kv_events: bool = False,
+    load: float | None = None,
 ) -> pd.DataFrame:
     """Measure ``exp``'s policies (kvroute's, or production routers) on ``hardware``;
     write ``out``'s records, summary and load.json.
 
     ``kv_events``: the engines publish KV cache events and kvroute's gateways route from
-    them (an exact view; the production routers ignore them).
+    them (an exact view; the production routers ignore them). ``load``: only that value
+    of the experiment's load axis (default every value, each its own set of runs); the
+    records carry it (``load_param``, ``load``).
 
     Raises:
         EngineError: an engine or a production router cannot be started or reached
@@ -150,15 +154,15 @@ def measure_experiment(
     """
     try:
         return _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale,
-                                   max_requests, time_limit_s, kv_events)
+                                   max_requests, time_limit_s, kv_events, load)
     except PeerError as exc:
         raise EngineError(str(exc)) from exc
 
 
 def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale, max_requests,
-                        time_limit_s, kv_events=False) -> pd.DataFrame:
+                        time_limit_s, kv_events=False, load=None) -> pd.DataFrame:
     hw = load_hardware(hardware)
-    runs = exp.expand(policies, hardware, rounds, round_, measured=True)
+    runs = exp.expand(policies, hardware, rounds, round_, measured=True, load=load)
     signal = exp.load_signal
     if signal.source == "events" and not kv_events:
         log.info("load_signal events: the engines publish KV events (as with --kv-events)")
@@ -182,14 +186,16 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
                     "workers": engines.cpu_affinity(), "gateway_and_loadgen": sorted(os.sched_getaffinity(0))}
         log.info("CPU affinity: %s", affinity)
         for run in runs:
-            trace = load_trace(exp, run.round)
+            trace = load_trace(exp, run.round, run.load)
             engines.reset_prefix_cache()
             peer = is_peer_spec(run.policy)
-            log.info("measuring %s on %s round %d (%s)", run.policy, hardware, run.round, source)
+            at = "" if run.load is None else f" {exp.load.param}={run.load}"
+            log.info("measuring %s on %s round %d%s (%s)", run.policy, hardware, run.round, at, source)
             kwargs = {"max_requests": max_requests, "time_limit_s": time_limit_s}
             cpu0 = time.process_time()
             if peer:
-                logp = out / "routers" / f"{run.policy.replace(':', '-')}-round{run.round}.log"
+                at_load = "" if run.load is None else f"-load{format_load(run.load)}"
+                logp = out / "routers" / f"{run.policy.replace(':', '-')}{at_load}-round{run.round}.log"
                 result = _measure_peer(engines, hw, trace, run.policy, logp, **kwargs)
             else:
                 result = asyncio.run(
@@ -199,9 +205,9 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
             records += records_for(result.rows, source=source, experiment=exp.name, hardware=hardware,
                                    policy=run.policy, round=run.round, seed=trace_seed(exp.seed, run.round),
                                    view=PEER_VIEW if peer else "exact" if kv_events else "approx",
-                                   load_signal=PEER_VIEW if peer else signal.label)
+                                   load_signal=PEER_VIEW if peer else signal.label, **load_columns(exp, run))
             workers[(exp.name, hardware, run.policy, run.round)] = list(engines.names)
-            key = f"{run.policy} round {run.round}"
+            key = _run_label(run.policy, run.round, run.load)
             client_cpu[key] = round(time.process_time() - cpu0, 3)
             checks[key] = result.cross_check()
             loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))
@@ -212,18 +218,25 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
     return _imbalance_from_metrics(summary, records, loads, out)
 
 
+def _run_label(policy: str, round_: int, load: float | None) -> str:
+    """How load.json names a run: ``POLICY round R``, with `` load V`` on a load axis."""
+    at = "" if load is None or load != load else f" load {format_load(load)}"
+    return f"{policy} round {int(round_)}{at}"
+
+
 def _imbalance_from_metrics(summary: pd.DataFrame, records: list[dict], loads: dict, out: Path) -> pd.DataFrame:
     """Where the records cannot name a request's worker (a peer router behind real engines
     drops X-Worker), the records-based imbalance would be a meaningless 0: take it from the
     engines' own counters instead (uncached prompt + generated tokens per engine, the
     records' definition of work), or NaN where those are unreadable; rewrite summary.csv."""
-    unknown = {(r["policy"], r["round"]) for r in records if r["worker"] == "unknown"}
+    unknown = {_run_label(r["policy"], r["round"], r.get("load")) for r in records if r["worker"] == "unknown"}
     if not unknown:
         return summary
     for i, row in summary.iterrows():
-        if (row["policy"], row["round"]) not in unknown:
+        label = _run_label(row["policy"], row["round"], row.get("load"))
+        if label not in unknown:
             continue
-        per = loads.get(f"{row['policy']} round {row['round']}", {})
+        per = loads.get(label, {})
         work = [w["metrics_prompt_tokens"] - w["metrics_cache_hits"] + w["metrics_generation_tokens"] for w in per.values()]
         summary.loc[i, "imbalance"] = imbalance(work) if work and not any(math.isnan(x) for x in work) else math.nan
     write_csv(summary, Path(out) / "summary.csv")

@@ -173,6 +173,47 @@ def engine_python_for_model() -> str | None:
     return None
 
 
+def template_overhead(tokenizer, samples: int = 9) -> dict[str, int]:
+    """The chat template's tokens per message (:class:`kvroute.hardware.ChatTemplate`),
+    counted with ``tokenizer`` (a Hugging Face tokenizer with a chat template) on the load
+    generator's own message text (:mod:`kvroute.live.text`): what the engine adds to a
+    trace's counts. Each count is split where the message's content ends in the rendered
+    text, so a token the tokenizer spends at a message's start counts into its ``open``.
+    Replies in history are the load generator's text of the reply's size with a leading
+    space (a stand-in for the streamed text: this model streams whole words, each with its
+    space, so a reply costs no token at its start). The median over ``samples`` draws of text (a message's first word
+    costs one token or two)."""
+    import statistics
+
+    def enc(s: str) -> int:
+        return len(tokenizer.encode(s, add_special_tokens=False))
+
+    def render(msgs: list[dict], gen: bool) -> str:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+
+    def split(msgs: list[dict], before: str, n: int) -> tuple[int, int]:
+        """(open, close) of the last message, of ``n`` trace tokens: the tokens from ``before``
+        to its content's end beyond ``n``, and those after it."""
+        r, c = render(msgs, False), msgs[-1]["content"]
+        end = r.rindex(c) + len(c)
+        return enc(r[:end]) - enc(before) - n, enc(r) - enc(r[:end])
+
+    counts: dict[str, list[int]] = {}
+    for k in range(samples):
+        sys_msg = {"role": "system", "content": text.system_text(f"template-{k}", 40)}
+        user = {"role": "user", "content": text.user_text(f"template-{k}", 0, 30)}
+        reply = {"role": "assistant", "content": " " + text.user_text(f"template-{k}", 1, 20)}
+        so, sc = split([sys_msg], "", 40)
+        uo, uc = split([sys_msg, user], render([sys_msg], False), 30)
+        prompt = render([sys_msg, user], True)
+        gen = enc(prompt) - enc(render([sys_msg, user], False))
+        hist = enc(render([sys_msg, user, reply], False)) - enc(prompt) - 20
+        for key, v in (("system_open", so), ("system_close", sc), ("user_open", uo), ("user_close", uc),
+                       ("generation_prompt", gen), ("assistant_close", hist)):
+            counts.setdefault(key, []).append(v)
+    return {key: int(statistics.median(v)) for key, v in counts.items()}
+
+
 @click.group("model")
 def model_command() -> None:
     """Build the models the engines serve."""
@@ -193,6 +234,23 @@ def tiny(out: Path, seed: int) -> None:
     facts = build_tiny_model(out, seed=seed)
     click.echo(f"{out}: Qwen2, {facts['layers']} layers, hidden {facts['hidden']}, {facts['parameters']:,} parameters, "
                f"vocabulary {facts['vocab']} (seed {seed})")
+
+
+@model_command.command("template")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def template(model_dir: Path) -> None:
+    """Print MODEL_DIR's chat-template overhead per message as the `chat_template` of
+    hardware/models.yaml (the tokenizer is the input; docs/costmodel.md)."""
+    if not _have_deps():
+        py = engine_python_for_model()
+        if py is None:
+            raise click.ClickException("transformers is not installed here; build the engine environment with "
+                                       "`make engine-cpu` (or set KVROUTE_ENGINE_PYTHON)")
+        raise SystemExit(subprocess.call([py, "-m", "kvroute.live.model", "template", str(model_dir)]))
+    from transformers import AutoTokenizer
+
+    counts = template_overhead(AutoTokenizer.from_pretrained(str(model_dir)))
+    click.echo("chat_template: {" + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "}")
 
 
 if __name__ == "__main__":

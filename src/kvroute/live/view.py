@@ -10,6 +10,9 @@ and the last byte came back, and the request text. From that it keeps per worker
   counts as waiting until its whole reply arrives.
 * ``active_blocks``: sum over in-flight requests of ``ceil((prompt + output so far) /
   block_size)``, with output tokens counted as streamed SSE events (``data:`` lines).
+* ``kv_usage``: the same in-flight tokens over the engines' KV cache,
+  ``kv_capacity_blocks * kv_block_size`` tokens, at most 1 (0 without a capacity). Unlike
+  the engine's count, a prefix that several requests share counts once per request.
 * ``queue_delay_s``: ``prefill_s_per_token * (uncached prompt tokens of the waiting
   requests) + decode_s_per_running * (running requests) + slot wait``. The first term
   is the prefill still queued ahead of a new request, "uncached" meaning prompt minus
@@ -40,8 +43,9 @@ Load signal (``load_signal``, :mod:`kvroute.loadsignal`): the counters above are
 ``router``, the default. With ``scraped``, the gateway GETs each worker's /metrics every
 ``interval_ms`` and hands the gauges to :meth:`GatewayView.apply_scrape`; until the next
 scrape ``in_flight`` is ``num_requests_running + num_requests_waiting``, ``waiting`` is
-``num_requests_waiting`` and ``active_blocks`` is ``kv_cache_usage_perc`` times
-``kv_capacity_blocks`` (the engines' KV blocks; without it, the gateway's own count).
+``num_requests_waiting``, ``active_blocks`` is ``kv_cache_usage_perc`` times
+``kv_capacity_blocks`` (the engines' KV blocks; without it, the gateway's own count) and
+``kv_usage`` is ``kv_cache_usage_perc`` itself (before the first scrape, the count above).
 ``queue_delay_s`` is the formula above over the scraped counts, the waiting requests'
 uncached tokens taken as ``num_requests_waiting`` times the mean uncached prompt of the
 requests routed to the worker (the gauges carry no token counts). Before a worker's
@@ -75,6 +79,7 @@ class WorkerState:
     running: int = 0  # in flight with a first byte back
     waiting_uncached_tokens: int = 0  # uncached prompt tokens of in-flight, not yet running
     active_blocks: int = 0
+    active_tokens: int = 0  # prompt + output so far of the in-flight requests (kv_usage)
     routed: int = 0  # requests routed here since start
     finished: int = 0  # requests over, and their output tokens (the mean reply length)
     output_tokens: int = 0
@@ -122,7 +127,10 @@ class GatewayView:
         load_signal: where load comes from (module docstring); with ``scraped`` the
             gateway calls :meth:`apply_scrape`.
         kv_capacity_blocks: the engines' KV cache in blocks, to turn a scraped
-            ``kv_cache_usage_perc`` into ``active_blocks``.
+            ``kv_cache_usage_perc`` into ``active_blocks``, and the gateway's own token
+            count into ``kv_usage``.
+        kv_block_size: the engines' KV block in tokens, for that ``kv_usage`` (default:
+            the view's ``block_size``).
     """
 
     exact = False
@@ -143,6 +151,7 @@ class GatewayView:
         exact_index: ExactPrefixIndex | None = None,
         load_signal: LoadSignal = ROUTER,
         kv_capacity_blocks: int | None = None,
+        kv_block_size: int | None = None,
     ) -> None:
         self.state: dict[str, WorkerState] = {}
         for name, url in workers:
@@ -170,6 +179,7 @@ class GatewayView:
         self.load_signal = load_signal
         self.scraped = load_signal.source == "scraped"
         self.kv_capacity_blocks = kv_capacity_blocks
+        self.kv_block_size = kv_block_size or self.block_size
         self.session_lookup = session_lookup
         self.clock = clock
         self.now = clock()  # the decision time the index is read at; set by `snapshot`
@@ -203,6 +213,14 @@ class GatewayView:
         if self.scraped and s.scraped_kv_usage is not None and self.kv_capacity_blocks:
             return round(s.scraped_kv_usage * self.kv_capacity_blocks)
         return s.active_blocks
+
+    def kv_usage(self, worker: str) -> float:
+        s = self.state[worker]
+        if self.scraped and s.scraped_kv_usage is not None:
+            return min(1.0, max(0.0, s.scraped_kv_usage))
+        if not self.kv_capacity_blocks:
+            return 0.0  # no capacity to divide by: every worker reads empty
+        return min(1.0, s.active_tokens / (self.kv_capacity_blocks * self.kv_block_size))
 
     def queue_delay_s(self, worker: str) -> float:
         s = self.state[worker]
@@ -284,6 +302,7 @@ class GatewayView:
         s.uncached_routed += uncached
         s.waiting_uncached_tokens += uncached
         s.active_blocks += blocks
+        s.active_tokens += tokens
         return Flight(s, request.prompt_tokens, uncached, tokens, blocks)
 
     def first_byte(self, f: Flight) -> None:
@@ -299,6 +318,7 @@ class GatewayView:
             return
         f.output_tokens += tokens
         f.tokens += tokens
+        f.worker.active_tokens += tokens
         blocks = -(-f.tokens // self.block_size)
         if blocks != f.blocks:
             f.worker.active_blocks += blocks - f.blocks
@@ -314,6 +334,7 @@ class GatewayView:
         s.finished += 1
         s.output_tokens += f.output_tokens
         s.active_blocks -= f.blocks
+        s.active_tokens -= f.tokens
         if f.running:
             s.running -= 1
         else:

@@ -31,6 +31,15 @@ from kvroute.policies.loadaware import LoadAwarePolicy
 from kvroute.policies.sglang import PrefixApproxPolicy
 from kvroute.policies.sticky import HashRing, HybridStickyPolicy, StickyPolicy
 from kvroute.policies.vllm_router import ConsistentHashPolicy, VllmCacheAwarePolicy
+from kvroute.policies.weighted import (
+    BlisDefaultPolicy,
+    BlisPrefixQueuePolicy,
+    BlisQueueDepthPolicy,
+    LlmdApproxPolicy,
+    LlmdLoadPolicy,
+    LlmdPrecisePolicy,
+    WeightedPolicy,
+)
 
 
 class PolicyName(StrEnum):
@@ -48,6 +57,13 @@ class PolicyName(StrEnum):
     LOADAWARE = "loadaware"
     VLLM_CACHE_AWARE = "vllm_cache_aware"
     CONSISTENT_HASH = "consistent_hash"
+    WEIGHTED = "weighted"
+    LLMD_PRECISE = "llmd_precise"
+    LLMD_APPROX = "llmd_approx"
+    LLMD_LOAD = "llmd_load"
+    BLIS_QUEUE_DEPTH = "blis_queue_depth"
+    BLIS_PREFIX_QUEUE = "blis_prefix_queue"
+    BLIS_DEFAULT = "blis_default"
 
 
 POLICIES: Mapping[PolicyName, type[Policy]] = MappingProxyType(
@@ -64,6 +80,13 @@ POLICIES: Mapping[PolicyName, type[Policy]] = MappingProxyType(
         PolicyName.LOADAWARE: LoadAwarePolicy,
         PolicyName.VLLM_CACHE_AWARE: VllmCacheAwarePolicy,
         PolicyName.CONSISTENT_HASH: ConsistentHashPolicy,
+        PolicyName.WEIGHTED: WeightedPolicy,
+        PolicyName.LLMD_PRECISE: LlmdPrecisePolicy,
+        PolicyName.LLMD_APPROX: LlmdApproxPolicy,
+        PolicyName.LLMD_LOAD: LlmdLoadPolicy,
+        PolicyName.BLIS_QUEUE_DEPTH: BlisQueueDepthPolicy,
+        PolicyName.BLIS_PREFIX_QUEUE: BlisPrefixQueuePolicy,
+        PolicyName.BLIS_DEFAULT: BlisDefaultPolicy,
     }
 )
 
@@ -173,6 +196,7 @@ __all__ = [
     "RouteRequest",
     "StickyPolicy",
     "VllmCacheAwarePolicy",
+    "WeightedPolicy",
     "counterpart",
     "least_loaded",
     "make_policy",

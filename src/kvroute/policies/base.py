@@ -58,6 +58,9 @@ class ClusterView(Protocol):
     def active_blocks(self, worker: str) -> int:
         """KV blocks held by the worker's unfinished requests (decode load)."""
 
+    def kv_usage(self, worker: str) -> float:
+        """Fraction of the worker's KV blocks in use, in [0, 1] (vLLM's ``kv_cache_usage_perc``)."""
+
     def queue_delay_s(self, worker: str) -> float:
         """Estimated time a new request waits at the worker before its prefill starts."""
 

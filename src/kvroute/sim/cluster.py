@@ -153,6 +153,10 @@ class SimView:
     def active_blocks(self, worker: str) -> int:
         return self.c.engines[self._index[worker]].pool.num_used_blocks
 
+    def kv_usage(self, worker: str) -> float:
+        # active_blocks as this view sees them (a subclass's scrape), over the pool's size
+        return self.active_blocks(worker) / self.c.engines[self._index[worker]].pool.num_blocks
+
     def queue_delay_s(self, worker: str) -> float:
         i = self._index[worker]
         return self.c.engines[i].queue_delay_s(self.c.in_transit_tokens[i])
@@ -209,8 +213,8 @@ class Scrape:
 class ScrapedSimView(SimView):
     """The view of a router that reads load from scraped engine metrics.
 
-    ``in_flight``, ``waiting``, ``active_blocks`` and ``queue_delay_s`` answer from the
-    last :class:`Scrape` of the worker, so every decision between two scrapes sees the
+    ``in_flight``, ``waiting``, ``active_blocks`` (so ``kv_usage``) and ``queue_delay_s``
+    answer from the last :class:`Scrape` of the worker, so every decision between two scrapes sees the
     same, stale load; prefixes and sessions are as in :class:`SimView`.
     """
 
@@ -401,14 +405,15 @@ class SimCluster:
 
     # -- clients --------------------------------------------------------------------
     def _stream(self, conv: Conversation) -> ConversationStream:
-        return ConversationStream(conv.system_id, conv.system_tokens, self.hw.engine.block_size)
+        return ConversationStream(conv.system_id, conv.system_tokens, self.hw.engine.block_size,
+                                  self.hw.model.chat_template)
 
     def _send(self, conv: Conversation, index: int, k: int, stream: ConversationStream) -> tuple[ConversationStream, simpy.Event]:
         """Turn ``k``'s prompt and reply onto the conversation's stream (an explicit
         prompt, ``hash_ids``, starts a stream of its own), then route it; returns the
         stream the next turn continues and the reply's event."""
         turn = conv.turns[k]
-        if turn.hash_ids is not None:
+        if turn.hash_ids is not None:  # the recorded prompt as the engine saw it: no template added
             stream = ConversationStream("", 0, self.hw.engine.block_size)
             stream.add_blocks(turn.hash_ids, turn.user_tokens, self.trace.block_tokens)
         else:

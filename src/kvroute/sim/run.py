@@ -16,6 +16,10 @@ policies' records is the policies' doing. Round ``r`` of an experiment with seed
   ``(s, r, hardware, policy)``. That stream stays per policy on purpose: what a
   policy draws is part of the policy, and two specs that draw differently should.
 
+None of these seeds holds the load of an experiment's load axis: at every load, round
+``r`` draws from the same streams, and the generators keep lengths unchanged when the
+rate (or the number of chats) changes, so the loads of a round differ by the load alone.
+
 Same file and seed, byte-identical records.
 """
 
@@ -53,15 +57,24 @@ def trace_seed(seed: int, round_: int) -> int:
     return int(np.random.SeedSequence([seed, round_]).generate_state(1)[0])
 
 
-def load_trace(exp: Experiment, round_: int, dataset: Path | None = None) -> Trace:
-    """Round ``round_``'s workload: the trace file, the dataset converted (read from
-    ``dataset``, default the project's copy; the same every round) or the generator's draw."""
+def load_trace(exp: Experiment, round_: int, load: float | None = None, dataset: Path | None = None) -> Trace:
+    """Round ``round_``'s workload; at ``load``, the load axis's parameter set to it
+    (the seed is the round's whatever the load: common random numbers across loads). A
+    dataset workload is converted from ``dataset`` (default the project's copy), the
+    same requests every round."""
     wl = exp.workload
+    if load is not None and exp.load is None:
+        raise ValueError(f"{exp.path}: a load ({load}) was given, but the experiment has no load axis (key load)")
+    if exp.load is not None and load is None:
+        raise ValueError(f"{exp.path}: the experiment has a load axis ({exp.load.param}); say which load")
     if "trace" in wl:
         return read_trace(Path(wl["trace"]))
+    params = dict(wl.get("params", {}))
+    if load is not None:
+        params[exp.load.param] = load
     if "dataset" in wl:
-        return load_dataset(wl["dataset"], dataset, **wl.get("params", {}))
-    return generate(wl["generator"], trace_seed(exp.seed, round_), **wl.get("params", {}))
+        return load_dataset(wl["dataset"], dataset, **params)
+    return generate(wl["generator"], trace_seed(exp.seed, round_), **params)
 
 
 def common_rng(seed: int, round_: int) -> np.random.Generator:
@@ -110,7 +123,7 @@ def simulate_run(exp: Experiment, run: Run, trace: Trace, coefficients: Path | N
     common = {
         "source": "sim", "experiment": run.experiment, "hardware": run.hardware,
         "policy": run.policy, "round": run.round, "view": "exact" if exact else "approx",
-        "load_signal": exp.load_signal.label, "seed": seed,
+        "load_signal": exp.load_signal.label, "seed": seed, **load_columns(exp, run),
     }
     rows = [{**common, **r} for r in sorted(rows, key=lambda r: (r["arrival_s"], r["conversation"], r["turn"]))]
     sim_s = max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows) if rows else 0.0
@@ -119,6 +132,18 @@ def simulate_run(exp: Experiment, run: Run, trace: Trace, coefficients: Path | N
         "workers": hw.worker_names, "worker_stats": cluster.worker_stats(),
     }
     return rows, meta
+
+
+def load_columns(exp: Experiment, run: Run) -> dict:
+    """The records' ``load_param`` and ``load`` of ``run`` (None without a load axis)."""
+    return {"load_param": exp.load.param if exp.load else None, "load": run.load}
+
+
+def _run_key(run: dict) -> tuple:
+    """A run's identity (experiment, hardware, policy, round, load), no load as None (not NaN)."""
+    load = run["load"]
+    return (run["experiment"], run["hardware"], run["policy"], int(run["round"]),
+            None if load is None or load != load else float(load))
 
 
 def _progress_disabled() -> bool:
@@ -134,6 +159,7 @@ def simulate_experiment(
     hardware: str | None = None,
     trace: Path | None = None,
     coefficients: Path | None = None,
+    load: float | None = None,
 ) -> pd.DataFrame:
     """Simulate every run of ``exp`` (after overrides) and write ``out``'s two files.
 
@@ -141,36 +167,42 @@ def simulate_experiment(
     (see :func:`simulate_run`); run.json records which were used.
 
     ``trace`` replays that trace file (written by ``kvroute workload``) instead of
-    drawing the workload again; it is one round's traffic, so the runs must cover
-    exactly one round (pass ``round_`` when the experiment has several).
+    drawing the workload again; it is one round's traffic at one load, so the runs must
+    cover exactly one round (pass ``round_`` when the experiment has several) and one
+    load (pass ``load`` when it has a load axis of several).
     """
-    runs = exp.expand(policies, hardware, rounds, round_)
+    runs = exp.expand(policies, hardware, rounds, round_, load=load)
     if trace is not None and len({r.round for r in runs}) != 1:
         raise ValueError(f"--trace {trace} is one round's workload; choose the round with --round (the experiment has {exp.rounds})")
+    if trace is not None and len({r.load for r in runs}) != 1:
+        raise ValueError(f"--trace {trace} is one load's workload; choose the load with --load "
+                         f"(the experiment's {exp.load.param} takes {len(exp.load.values)} values)")
     for r in runs:  # fail on a bad override (or a coefficients file without the family) before anything runs
         run_hardware(r.hardware, coefficients)
         make_policy(r.policy, np.random.default_rng(0))
-    traces: dict[int, Trace] = {runs[0].round: read_trace(Path(trace))} if trace is not None and runs else {}
+    traces: dict[tuple, Trace] = {(runs[0].round, runs[0].load): read_trace(Path(trace))} if trace is not None and runs else {}
     all_rows: list[dict] = []
     metas: list[dict] = []
     bar = tqdm(runs, desc=f"simulate {exp.name}", unit="run", disable=_progress_disabled())
     for run in bar:
-        bar.set_postfix_str(f"{run.hardware} {run.policy} round {run.round}")
-        if run.round not in traces:
-            traces[run.round] = load_trace(exp, run.round)
-        rows, meta = simulate_run(exp, run, traces[run.round], coefficients)
+        at = "" if run.load is None else f" {exp.load.param}={run.load}"
+        bar.set_postfix_str(f"{run.hardware} {run.policy} round {run.round}{at}")
+        if (run.round, run.load) not in traces:
+            traces[(run.round, run.load)] = load_trace(exp, run.round, run.load)
+        rows, meta = simulate_run(exp, run, traces[(run.round, run.load)], coefficients)
         all_rows.extend(rows)
         metas.append(meta)
-        log.info("%s %s round %d: %d requests, %.1f sim s in %.2f wall s",
-                 run.hardware, meta["run"]["policy"], run.round, len(rows), meta["sim_s"], meta["wall_s"])
+        log.info("%s %s round %d%s: %d requests, %.1f sim s in %.2f wall s",
+                 run.hardware, meta["run"]["policy"], run.round, at, len(rows), meta["sim_s"], meta["wall_s"])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_requests(requests_table(all_rows), out / "requests.parquet")
     df = pd.DataFrame(all_rows, columns=list(REQUEST_COLUMNS))
     workers = {(m["run"]["experiment"], m["run"]["hardware"], m["run"]["policy"], m["run"]["round"]): m["workers"] for m in metas}
     summary = summarize(df, workers)
-    speed = {(m["run"]["experiment"], m["run"]["hardware"], m["run"]["policy"], m["run"]["round"]): m["sim_s"] / m["wall_s"] if m["wall_s"] else float("nan") for m in metas}
-    summary["sim_seconds_per_wall_second"] = [speed[tuple(k)] for k in summary[["experiment", "hardware", "policy", "round"]].itertuples(index=False)]
+    speed = {_run_key(m["run"]): m["sim_s"] / m["wall_s"] if m["wall_s"] else float("nan") for m in metas}
+    keys = summary[["experiment", "hardware", "policy", "round", "load"]].to_dict("records")
+    summary["sim_seconds_per_wall_second"] = [speed[_run_key(k)] for k in keys]
     write_csv(summary, out / "summary.csv")
     info = {"experiment": exp.raw, "trace": str(trace) if trace is not None else None, "runs": metas, "hardware": {h: load_hardware(h).to_dict() for h in {r.hardware for r in runs}},
             "coefficients": coefficients_info({r.hardware for r in runs}, coefficients)}

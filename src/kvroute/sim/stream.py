@@ -7,6 +7,12 @@ content means equal tokens, so the shared system prompt hashes the same in every
 conversation and a conversation's history the same in every turn. Hashes are
 extended incrementally (the stream only grows), so each block is hashed once.
 
+The chat template's tokens (:class:`kvroute.hardware.ChatTemplate`) are segments of
+their own around each message, keyed by role and part, as the engine sees them after
+rendering: ``[system open, system, system close]``, then per turn ``[user open, user,
+user close, generation prompt]`` (the prompt ends there), the reply, and the reply's
+close (which the next turn's prompt holds).
+
 A prompt given explicitly as block ids (a trace's ``hash_ids``, :meth:`add_blocks`)
 is one segment per id, keyed ``(BLOCK, id)`` and ``block_tokens`` long, the last one
 cut to what is left: equal leading ids are equal segments, so their engine blocks
@@ -16,19 +22,23 @@ id's full content (offsets from 0), shared as far as it goes.
 
 from __future__ import annotations
 
+from kvroute.hardware import NO_TEMPLATE, ChatTemplate
 from kvroute.kvcache.hashing import DEFAULT_SEED, ROOT_HASH, text_key
 
 SYSTEM, USER, ASSISTANT = 0, 1, 2
-BLOCK = 4  # key (BLOCK, hash_id): an explicit prompt's block (3 is kept for chat-template keys)
+TEMPLATE = 3  # key (TEMPLATE, role, part): the same template text wherever it appears
+OPEN, CLOSE = 0, 1
+BLOCK = 4  # key (BLOCK, hash_id): an explicit prompt's block
 
 
 class ConversationStream:
     """The growing token stream of one conversation and its block-hash chain."""
 
-    __slots__ = ("block_size", "segments", "length", "hashes", "_parent", "_seg_i", "_seg_off")
+    __slots__ = ("block_size", "template", "segments", "length", "hashes", "_parent", "_seg_i", "_seg_off")
 
-    def __init__(self, system_id: str, system_tokens: int, block_size: int):
+    def __init__(self, system_id: str, system_tokens: int, block_size: int, template: ChatTemplate = NO_TEMPLATE):
         self.block_size = block_size
+        self.template = template
         self.segments: list[tuple[tuple[int, ...], int]] = []  # (key, length)
         self.length = 0
         self.hashes: list[int] = []
@@ -36,7 +46,9 @@ class ConversationStream:
         self._seg_i = 0  # segment where the next unhashed block starts
         self._seg_off = 0
         if system_tokens > 0:
+            self._append((TEMPLATE, SYSTEM, OPEN), template.system_open)
             self._append((SYSTEM, text_key(system_id)), system_tokens)
+            self._append((TEMPLATE, SYSTEM, CLOSE), template.system_close)
 
     def _append(self, key: tuple[int, ...], n: int) -> None:
         if n > 0:
@@ -44,10 +56,17 @@ class ConversationStream:
             self.length += n
 
     def add_user(self, conv_index: int, turn: int, n: int) -> None:
+        """The new user message and the generation prompt: the stream is then the turn's prompt."""
+        t = self.template
+        self._append((TEMPLATE, USER, OPEN), t.user_open)
         self._append((USER, conv_index, turn), n)
+        self._append((TEMPLATE, USER, CLOSE), t.user_close)
+        self._append((TEMPLATE, ASSISTANT, OPEN), t.generation_prompt)
 
     def add_assistant(self, conv_index: int, turn: int, n: int) -> None:
+        """The reply (``n`` generated tokens), then its close as the next prompt holds it."""
         self._append((ASSISTANT, conv_index, turn), n)
+        self._append((TEMPLATE, ASSISTANT, CLOSE), self.template.assistant_close)
 
     def add_blocks(self, hash_ids: tuple[int, ...], n: int, block_tokens: int) -> None:
         """Append an explicit prompt of ``n`` tokens: ``block_tokens`` per id, the last

@@ -1,6 +1,8 @@
 """Workloads: the trace model, synthetic generators, ShareGPT and Mooncake conversion and download.
 
-See docs/workloads.md for the generators' parameters and the sources of their fits.
+See docs/workloads.md for the generators' parameters and the sources of their fits. The
+field's generator is ``generate("field", ...)`` or ``kvroute.workload.field.field`` (the
+package attribute ``field`` is that submodule).
 Names are imported lazily (PEP 562), so ``from kvroute.workload.trace import Trace``
 costs no pandas, pyarrow or tqdm import.
 """
@@ -11,6 +13,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
+    "distributions": ("Dist", "parse_dist"),
+    "field": ("FIELD_DEFAULTS",),
+    "field_presets": ("LLMD_LADDER", "PRESETS", "Preset"),
     "generators": (
         "GENERATORS", "TOKENS_PER_WORD", "agent", "generate", "generator_params", "note2",
         "sharegpt_fit", "sharegpt_like", "words_to_tokens",
@@ -42,6 +47,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
+    from kvroute.workload.distributions import Dist, parse_dist  # noqa: F401
+    from kvroute.workload.field import FIELD_DEFAULTS  # noqa: F401
+    from kvroute.workload.field_presets import LLMD_LADDER, PRESETS, Preset  # noqa: F401
     from kvroute.workload.generators import (  # noqa: F401
         GENERATORS, TOKENS_PER_WORD, agent, generate, generator_params, note2, sharegpt_fit,
         sharegpt_like, words_to_tokens,

@@ -1,4 +1,6 @@
-"""Seeded synthetic workloads: the research note's chats, ShareGPT-like and agent traffic.
+"""Seeded synthetic workloads: the research note's chats, ShareGPT-like and agent traffic,
+and the registry of every generator (the field's generator and its presets live in
+:mod:`kvroute.workload.field`).
 
 Every generator takes a ``seed`` (an int, turned into ``numpy.random.default_rng``
 streams; there is no global random state) and returns a validated :class:`Trace`
@@ -23,6 +25,8 @@ from typing import Any
 import numpy as np
 from numpy.random import Generator
 
+from kvroute.workload.common import float_param, int_param, named_streams, seed_param
+from kvroute.workload.field import FIELD_GENERATORS
 from kvroute.workload.trace import Conversation, Trace, Turn
 
 #: Tokens per English word. Rule of thumb "a token is about three quarters of a word"
@@ -59,30 +63,12 @@ _STREAMS = ("arrivals", "turns", "user", "reply", "think")
 
 def _streams(seed: int) -> dict[str, Generator]:
     """Independent, named generators from one seed (see the module docstring)."""
-    children = np.random.SeedSequence(seed).spawn(len(_STREAMS))
-    return {name: np.random.default_rng(child) for name, child in zip(_STREAMS, children)}
+    return named_streams(seed, _STREAMS)
 
 
-# --- parameter checks: fail loudly, naming the parameter ------------------------------
+# --- parameter checks: fail loudly, naming the parameter (kvroute.workload.common) -----
 
-
-def _int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _float(name: str, value: Any, minimum: float = 0.0, strict: bool = False) -> float:
-    ok = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
-    ok = ok and math.isfinite(value) and (value > minimum if strict else value >= minimum)
-    if not ok:
-        op = ">" if strict else ">="
-        raise ValueError(f"{name} must be a finite number {op} {minimum}, got {value!r}")
-    return float(value)
-
-
-def _seed(seed: Any) -> int:
-    return _int("seed", seed, minimum=0)
+_int, _float, _seed = int_param, float_param, seed_param
 
 
 def words_to_tokens(words: int, tokens_per_word: float) -> int:
@@ -400,6 +386,7 @@ GENERATORS: dict[str, Callable[..., Trace]] = {
     "note2": note2,
     "sharegpt_like": sharegpt_like,
     "agent": agent,
+    **FIELD_GENERATORS,  # field and its presets (kvroute.workload.field)
 }
 
 
