@@ -107,6 +107,7 @@ test: $(STAMP) services
 bench: $(STAMP) routers
 	@status=0; \
 	$(BIN)/python benchmarks/sim_speed.py || status=1; \
+	$(BIN)/python benchmarks/mooncake_speed.py || status=1; \
 	$(BIN)/python benchmarks/note2_fidelity.py || status=1; \
 	$(BIN)/python benchmarks/gateway_latency.py || status=1; \
 	exit $$status

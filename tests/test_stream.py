@@ -1,5 +1,6 @@
 """Conversation token streams hash exactly as the documented content rule says."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +50,41 @@ def test_shared_system_prompt_hashes_alike_across_conversations():
     b.add_user(2, 0, 200)
     ha, hb = a.chain(1000), b.chain(1000)
     assert ha[:50] == hb[:50] and ha[50] != hb[50]
+
+
+@settings(max_examples=60, deadline=None)
+@given(bs=st.sampled_from([4, 16, 48, 128, 512, 1000]), block=st.sampled_from([8, 64, 512]),
+       ids=st.lists(st.integers(0, 50), min_size=1, max_size=6, unique=True), cut=st.integers(0, 511),
+       reply=st.integers(1, 90))
+def test_explicit_blocks_chain_equals_reference(bs, block, ids, cut, reply):
+    n = block * len(ids) - cut % block  # the last block partial (or full when cut % block == 0)
+    s = ConversationStream("", 0, bs)
+    s.add_blocks(tuple(ids), n, block)
+    s.add_assistant(3, 0, reply)
+    assert s.length == n + reply
+    assert s.chain(s.length) == reference_chain(s)
+
+
+@pytest.mark.parametrize("bs", [1, 16, 48, 100, 512, 1024])
+def test_equal_leading_ids_hash_alike_at_any_block_size(bs):
+    """Prompts [7, 8, 9, 6] and [7, 8, 4, 6] share 1,024 tokens; [7, 8] cut at 700 tokens
+    is a prefix of both (its partial block is a prefix of id 8's content)."""
+    def chain(ids, n):
+        s = ConversationStream("", 0, bs)
+        s.add_blocks(ids, n, 512)
+        s.add_assistant(len(ids), 0, 5)  # a reply of its own after each prompt
+        return s.chain(n)
+
+    a, b, c = chain((7, 8, 9, 6), 2048), chain((7, 8, 4, 6), 2048), chain((7, 8), 700)
+    shared = 1024 // bs
+    assert a[:shared] == b[:shared] and len(a) > shared
+    assert all(x != y for x, y in zip(a[shared:], b[shared:]))  # chained: nothing after the first difference
+    assert c == a[: 700 // bs] == b[: 700 // bs]
+
+
+def test_add_blocks_checks_the_count():
+    with pytest.raises(ValueError, match="3 hash_ids for 1024 tokens"):
+        ConversationStream("", 0, 16).add_blocks((1, 2, 3), 1024, 512)
 
 
 def test_the_chat_template_adds_its_tokens_around_every_message():

@@ -31,7 +31,7 @@ import yaml
 from kvroute.experiment import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ["Snakefile", "workflow", "config", "hardware", "envs", "src", "notebooks", "paper"]
+COPIED = ["Snakefile", "workflow", "config", "hardware", "envs", "src", "notebooks", "paper", "data"]
 
 
 def _config(repo: Path) -> dict:
@@ -207,6 +207,23 @@ def test_measure_rules_only_when_enabled(repo, capfd, tmp_path):
     assert "--rounds" not in gpu_job  # the experiment file's rounds
     cpu_job = text.split("rule measure_cpu:", 1)[1].split("\n\n", 1)[0]
     assert "--rounds 2" in cpu_job, cpu_job
+
+
+def test_a_dataset_workload_is_fetched_first(repo, capfd, tmp_path):
+    """An experiment naming the Mooncake trace gets one fetch job (download, else the
+    copy), whose file the workload job converts."""
+    extra = tmp_path / "mooncake.yaml"
+    extra.write_text(yaml.safe_dump({"experiments": [*_config(repo)["experiments"], "mooncake-conversation"]}))
+    counts, text = dry_run(repo, capfd, targets=("sim",), configfiles=[repo / "config/config.yaml", extra], shell=True)
+    assert counts["fetch_mooncake"] == 1, text[-3000:]
+    fetch = text.split("rule fetch_mooncake:", 1)[1].split("\n\n", 1)[0]
+    assert "kvroute -v fetch mooncake --name conversation" in fetch and "data/mooncake/conversation_trace.jsonl.gz" in fetch
+    jobs = text.split("rule workload:")[1:]
+    ours = [j for j in jobs if "results/workload/mooncake-conversation/" in j.split("\n\n", 1)[0]]
+    assert len(ours) == 1, text[-3000:]
+    assert "--dataset results/data/mooncake/conversation_trace.jsonl" in ours[0].split("\n\n", 1)[0]
+    mine = load_experiment(repo / "config/experiments/mooncake-conversation.yaml")
+    assert counts["simulate"] == expected_fresh_jobs(repo)["simulate"] + len(mine.expand())
 
 
 LOAD_EXPERIMENT = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from dataclasses import replace
 
@@ -417,3 +418,95 @@ def test_round_trip_property(tmp_path, convs, closed) -> None:
     trace = Trace("prop", "closed" if closed else "open", conversations,
                   len(conversations) if closed else None, {"seed": 1, "x": [0.1, None, "y"]})
     assert read_trace(write_trace(trace, tmp_path / "p.parquet")) == trace
+
+
+# --- explicit prompts (hash_ids) and replay arrivals: format version 2 ------------------
+
+
+def recorded(**changes) -> Trace:
+    """A replay trace with explicit prompts, as the Mooncake converter makes them."""
+    a = Conversation("a", "", 0, (Turn(600, 5, 0.0, 0.5, (0, 1)), Turn(1030, 3, 0.0, 0.75, (0, 1, 2))), 0.5)
+    b = Conversation("b", "", 0, (Turn(512, 1, 0.0, 0.5, (0,)),), 0.5)
+    return replace(Trace("rec", "replay", (a, b), None, {"dataset": "x"}, 512), **changes)
+
+
+def test_explicit_prompt_lengths_are_their_own() -> None:
+    a = recorded().conversations[0]
+    assert a.prompt_lengths() == [600, 1030] and a.prompt_tokens(1) == 1030
+    assert recorded().explicit and not tiny().explicit
+
+
+def test_version_2_round_trip_and_version_1_kept(tmp_path) -> None:
+    path = write_trace(recorded(), tmp_path / "r.parquet")
+    assert read_trace(path) == recorded()
+    meta = pq.read_schema(path).metadata
+    header = json.loads(meta[trace_io.METADATA_KEY])
+    assert header["format"] == 2 and header["block_tokens"] == 512
+    assert pq.read_schema(path).names[-2:] == ["turn_arrival_s", "hash_ids"]
+    plain = write_trace(tiny(), tmp_path / "p.parquet")  # nothing of version 2 in it: a version-1 file
+    assert json.loads(pq.read_schema(plain).metadata[trace_io.METADATA_KEY])["format"] == 1
+    assert pq.read_schema(plain).names == list(trace_io.COLUMNS)
+    assert read_trace(plain) == tiny()
+
+
+def test_unknown_format_version_is_refused(tmp_path) -> None:
+    path = write_trace(tiny(), tmp_path / "p.parquet")
+    table = pq.read_table(path)
+    header = json.loads(table.schema.metadata[trace_io.METADATA_KEY])
+    header["format"] = 3
+    meta = {**table.schema.metadata, trace_io.METADATA_KEY: json.dumps(header).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), path)
+    with pytest.raises(ValueError, match="format 3, this kvroute reads versions 1, 2"):
+        read_trace(path)
+
+
+def test_replay_mode_is_simulated_at_each_turns_arrival() -> None:
+    from kvroute.hardware import load_hardware
+    from kvroute.policies import make_policy
+    from kvroute.sim.cluster import SimCluster
+
+    rng = np.random.default_rng
+    rows = SimCluster(recorded(), load_hardware("h100x8"), make_policy("round_robin", rng(0)), rng(1), True).run()
+    assert sorted((r["conversation"], r["turn"], r["arrival_s"]) for r in rows) == [
+        ("a", 0, 0.5), ("a", 1, 0.75), ("b", 0, 0.5)]
+    assert {r["prompt_tokens"] for r in rows} == {600, 1030, 512}
+
+
+def _turn(t: Turn, **changes) -> Turn:
+    return replace(t, **changes)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (lambda tr: replace(tr, block_tokens=None), "block_tokens must be an int >= 1"),
+        (lambda tr: replace(tr, block_tokens=256), r"expected ceil\(600 / 256\) = 3"),
+        (lambda tr: replace(tr, mode="open"), "for mode 'replay' only"),
+        (lambda tr: replace(tiny(), block_tokens=512), "no turn has hash_ids"),
+        (lambda tr: _conv(tr, system_tokens=10, system_id="s"), "system_id must be ''"),
+        (lambda tr: _turn0(tr, hash_ids=(0,)), r"1 hash_ids for 600 tokens; expected ceil\(600 / 512\) = 2"),
+        (lambda tr: _turn0(tr, hash_ids=(0, -1)), r"ints in \[0, 2\*\*63\)"),
+        (lambda tr: _turn0(tr, hash_ids=None), "turn 0 has no hash_ids but a later turn has"),
+        (lambda tr: _turn0(tr, hash_ids=[0, 1]), "must be a tuple"),
+        (lambda tr: _turn0(tr, arrival_s=None), "replay mode needs arrival_s"),
+        (lambda tr: _turn0(tr, arrival_s=0.9), "before turn 0's"),
+        (lambda tr: _turn0(tr, think_s=1.0), "think_s must be 0"),
+        (lambda tr: _conv(tr, arrival_s=0.0), "must equal its first turn's arrival_s"),
+        (lambda tr: replace(tr, concurrency=2), "replay trace 'rec' takes no concurrency"),
+    ],
+)
+def test_explicit_and_replay_fields_are_validated(change, fragment) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        change(recorded()).validate()
+
+
+def _conv(tr: Trace, **changes) -> Trace:
+    return replace(tr, conversations=(replace(tr.conversations[0], **changes), *tr.conversations[1:]))
+
+
+def _turn0(tr: Trace, **changes) -> Trace:
+    """Change the first conversation's turn 0 (the arrival check: 0.9 is after turn 1's 0.75)."""
+    c = tr.conversations[0]
+    turns = (replace(c.turns[0], **changes), *c.turns[1:])
+    arrival = turns[0].arrival_s if turns[0].arrival_s is not None and "arrival_s" in changes else c.arrival_s
+    return replace(tr, conversations=(replace(c, turns=turns, arrival_s=arrival), *tr.conversations[1:]))

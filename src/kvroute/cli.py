@@ -96,11 +96,12 @@ def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int
              trace: Path | None, coefficients: Path | None, load: float | None) -> None:
     """Simulate EXPERIMENT and write OUT/requests.parquet and OUT/summary.csv."""
     from kvroute.sim.run import simulate_experiment
+    from kvroute.workload.sharegpt import DownloadError
 
     try:
         exp = load_experiment(experiment)
         summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, trace, coefficients, load)
-    except (ExperimentError, ValueError) as exc:
+    except (ExperimentError, ValueError, DownloadError) as exc:  # DownloadError: a dataset failing its checksum
         raise click.ClickException(str(exc)) from exc
     cols = ["hardware", "policy", "round", *_load_cols(summary), "time_to_complete_s", "later_ttft_mean_ms", "hit_rate", "imbalance"]
     click.echo(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
@@ -112,15 +113,40 @@ def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int
 @click.option("--round", "round_", required=True, type=click.IntRange(min=0), help="Round (0-based) whose workload to write.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Trace file to write (parquet).")
 @click.option("--load", type=float, help="The value of the experiment's load axis to write the workload at (required when it has one).")
-def workload(experiment: Path, round_: int, out: Path, load: float | None) -> None:
+@click.option("--dataset", "dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The file a dataset workload converts (from `kvroute fetch`); default: the project's copy. Verified by checksum.")
+def workload(experiment: Path, round_: int, out: Path, load: float | None, dataset: Path | None) -> None:
     """Write round ROUND's workload of EXPERIMENT to OUT, as `kvroute simulate` would draw it."""
     from kvroute.pipeline import write_round_trace
+    from kvroute.workload.sharegpt import DownloadError
 
     try:
-        path = write_round_trace(experiment, round_, out, load)
-    except (ExperimentError, ValueError) as exc:
+        path = write_round_trace(experiment, round_, out, load, dataset)
+    except (ExperimentError, ValueError, DownloadError) as exc:  # DownloadError: a file failing its checksum
         raise click.ClickException(str(exc)) from exc
     click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.argument("dataset", type=click.Choice(["mooncake"]))
+@click.option("--name", required=True, help="Which trace of the dataset (mooncake: conversation, synthetic).")
+@click.option("--dest", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder to put the verified file in.")
+@click.option("--url", help="Fetch from this URL instead of the original location (same checksum).")
+@click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="How long to wait for the original location before using the project's copy.")
+@click.option("--offline", is_flag=True, help="Do not try the original location; use the project's copy (also: $KVROUTE_OFFLINE=1).")
+@click.option("--copy", "copy", type=click.Path(dir_okay=False, path_type=Path),
+              help="The project's copy to fall back on (default: data/mooncake/NAME_trace.jsonl.gz of kvroute's repository).")
+def fetch(dataset: str, name: str, dest: Path, url: str | None, timeout_s: float, offline: bool, copy: Path | None) -> None:
+    """Fetch a DATASET trace from its original location into DEST, or use the project's copy; verified either way."""
+    from kvroute.workload import mooncake
+
+    try:
+        got = mooncake.fetch(name, dest, url=url, timeout_s=timeout_s, offline=offline or None, copy=copy)
+    except (ValueError, mooncake.DownloadError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    said = {"present": "already present", "download": "downloaded from", "copy": "the project's copy, because"}
+    click.echo(f"{got.path}: SHA-256 verified; {said[got.source]} {got.detail}")
 
 
 @main.command()

@@ -183,6 +183,13 @@ def load_experiment(path: str | Path) -> Experiment:
                     f"{path}: key workload.params.{key}: unknown parameter of generator "
                     f"{wl['generator']!r}; valid: {', '.join(sorted(valid))}"
                 )
+    if "dataset" in wl:
+        from kvroute.workload import check_dataset_params
+
+        try:
+            check_dataset_params(wl["dataset"], wl.get("params", {}))
+        except ValueError as exc:  # a ParameterError names its key
+            raise ExperimentError(f"{path}: key workload.params.{getattr(exc, 'key', '')}: {exc}") from exc
     load = _load_axis(path, raw.get("load"), wl) if "load" in raw else None
     try:
         load_signal = LoadSignal.from_config(raw.get("load_signal"))
@@ -221,11 +228,16 @@ def load_experiment(path: str | Path) -> Experiment:
 
 def workload_parameters(workload: dict) -> dict[str, Any]:
     """The parameters a load axis may set on ``workload`` (name -> default): a
-    generator's (:func:`kvroute.workload.generator_params`); a trace file has none."""
+    generator's (:func:`kvroute.workload.generator_params`), a dataset's
+    (:func:`kvroute.workload.dataset_params`: Mooncake's ``speedup``, say); a trace file has none."""
     if "generator" in workload:
         from kvroute.workload import generator_params
 
         return generator_params(workload["generator"])
+    if "dataset" in workload:
+        from kvroute.workload import dataset_params
+
+        return dataset_params(workload["dataset"])
     return {}
 
 
@@ -235,7 +247,8 @@ def _load_axis(path: Path, spec: dict, workload: dict) -> LoadAxis:
     param, values = spec["param"], spec["values"]
     valid = workload_parameters(workload)
     if param not in valid:
-        what = f"generator {workload['generator']!r}" if "generator" in workload else "a trace file"
+        what = (f"generator {workload['generator']!r}" if "generator" in workload
+                else f"dataset {workload['dataset']!r}" if "dataset" in workload else "a trace file")
         listed = ", ".join(sorted(valid)) or "none"
         raise ExperimentError(f"{path}: key load.param: {param!r} is not a parameter of the workload ({what}); "
                               f"valid: {listed}")
@@ -254,4 +267,11 @@ def _load_axis(path: Path, spec: dict, workload: dict) -> LoadAxis:
         if v in seen:
             raise ExperimentError(f"{path}: key load.values.{i}: {format_load(v)} appears twice")
         seen.append(v)
+        if "dataset" in workload:  # each value a valid parameter of the conversion (speedup > 0, ...)
+            from kvroute.workload import check_dataset_params
+
+            try:
+                check_dataset_params(workload["dataset"], {**workload.get("params", {}), param: v})
+            except ValueError as exc:
+                raise ExperimentError(f"{path}: key load.values.{i}: {exc}") from exc
     return LoadAxis(param, tuple(int(v) if whole else v for v in values))

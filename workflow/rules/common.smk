@@ -4,6 +4,7 @@
 # get_* / is_* here.
 #
 # Layout of results/ (see docs/pipeline.md, the contract between stages):
+#   data/mooncake/NAME_trace.jsonl                      kvroute fetch (a dataset workload's file)
 #   workload/EXP/[loadV/]roundR.parquet                 kvroute workload
 #   sim/EXP/HW/POLICY_SLUG/[loadV/]roundR/{requests.parquet,summary.csv,run.json}   kvroute simulate
 #     (loadV/: only for an experiment with a load axis, one folder per value; the
@@ -224,12 +225,19 @@ def get_all_hardware_files():
 
 
 def get_workload_inputs(wildcards):
-    """The experiment file, and the trace it replays when it names one."""
+    """The experiment file, and the trace it replays or the dataset file it converts."""
     exp = _experiment(wildcards.exp, "experiments")
     files = {"experiment": experiment_file(wildcards.exp), "sources": WORKLOAD_SOURCES}
     if "trace" in exp.workload:
         files["replayed"] = exp.workload["trace"]
+    if "dataset" in exp.workload:  # only mooncake so far (rule fetch_mooncake)
+        name = exp.workload.get("params", {}).get("name", "conversation")
+        files["dataset"] = f"{RESULTS}/data/{exp.workload['dataset']}/{name}_trace.jsonl"
     return files
+
+
+def get_workload_dataset_arg(wildcards, input):
+    return f"--dataset {input.dataset}" if hasattr(input, "dataset") else ""
 
 
 def get_hardware_files(wildcards):

@@ -427,6 +427,11 @@ async def replay(
         ``status`` and ``error`` (a message; empty when ok).
     """
     trace.validate()
+    if trace.mode == "replay" or trace.explicit:
+        raise ValueError(
+            f"trace {trace.name!r} is a recorded trace (mode {trace.mode!r}, prompts as hash_ids): "
+            "the live load generator does not replay those yet (issue 14's live replay); simulate it"
+        )
     if max_requests is not None and max_requests < 0:
         raise ValueError(f"max_requests must be >= 0, got {max_requests}")
     if time_limit_s is not None and not time_limit_s > 0:

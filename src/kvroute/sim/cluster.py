@@ -404,17 +404,49 @@ class SimCluster:
             yield env.timeout(period)
 
     # -- clients --------------------------------------------------------------------
+    def _stream(self, conv: Conversation) -> ConversationStream:
+        return ConversationStream(conv.system_id, conv.system_tokens, self.hw.engine.block_size,
+                                  self.hw.model.chat_template)
+
+    def _send(self, conv: Conversation, index: int, k: int, stream: ConversationStream) -> tuple[ConversationStream, simpy.Event]:
+        """Turn ``k``'s prompt and reply onto the conversation's stream (an explicit
+        prompt, ``hash_ids``, starts a stream of its own), then route it; returns the
+        stream the next turn continues and the reply's event."""
+        turn = conv.turns[k]
+        if turn.hash_ids is not None:  # the recorded prompt as the engine saw it: no template added
+            stream = ConversationStream("", 0, self.hw.engine.block_size)
+            stream.add_blocks(turn.hash_ids, turn.user_tokens, self.trace.block_tokens)
+        else:
+            stream.add_user(index, k, turn.user_tokens)
+        prompt = stream.length
+        output = max(1, turn.output_tokens)
+        stream.add_assistant(index, k, output)
+        return stream, self.route(conv, index, k, stream, prompt, output)
+
     def _conversation(self, conv: Conversation, index: int):
-        stream = ConversationStream(conv.system_id, conv.system_tokens, self.hw.engine.block_size,
-                                    self.hw.model.chat_template)
+        stream = self._stream(conv)
         for k, turn in enumerate(conv.turns):
             if k and turn.think_s > 0:
                 yield self.env.timeout(turn.think_s)
-            stream.add_user(index, k, turn.user_tokens)
-            prompt = stream.length
-            output = max(1, turn.output_tokens)
-            stream.add_assistant(index, k, output)
-            yield self.route(conv, index, k, stream, prompt, output)
+            stream, done = self._send(conv, index, k, stream)
+            yield done
+
+    def _replay(self, convs: list[tuple[int, Conversation]]):
+        """Replay mode: every turn at its own ``arrival_s``, in (time, conversation,
+        turn) order, not waiting for any reply (open loop, request by request)."""
+        env = self.env
+        order = sorted((t.arrival_s, i, k) for i, c in convs for k, t in enumerate(c.turns))
+        streams: dict[int, ConversationStream] = {}
+        for at, i, k in order:
+            if at > env.now:
+                yield env.timeout(at - env.now)
+            conv = self.trace.conversations[i]
+            stream = streams.get(i) or self._stream(conv)
+            stream, _ = self._send(conv, i, k, stream)
+            if k + 1 < len(conv.turns):  # the next turn continues this one's stream
+                streams[i] = stream
+            else:
+                streams.pop(i, None)
 
     def _closed_slot(self, queue: list[tuple[int, Conversation]]):
         while queue:
@@ -434,6 +466,8 @@ class SimCluster:
             slots = self.trace.concurrency or len(convs)
             for _ in range(min(slots, len(convs))):
                 self.env.process(self._closed_slot(queue))
+        elif self.trace.mode == "replay":
+            self.env.process(self._replay(convs))
         else:
             for index, conv in convs:
                 self.env.process(self._open_arrival(conv, index))

@@ -42,7 +42,7 @@ from kvroute.hardware import hardware_dir, load_hardware, with_coefficients
 from kvroute.policies import make_policy
 from kvroute.records import REQUEST_COLUMNS, requests_table, summarize, write_atomic, write_csv, write_requests
 from kvroute.sim.cluster import SimCluster
-from kvroute.workload import generate, read_trace
+from kvroute.workload import generate, load_dataset, read_trace
 from kvroute.workload.trace import Trace
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,11 @@ def trace_seed(seed: int, round_: int) -> int:
     return int(np.random.SeedSequence([seed, round_]).generate_state(1)[0])
 
 
-def load_trace(exp: Experiment, round_: int, load: float | None = None) -> Trace:
+def load_trace(exp: Experiment, round_: int, load: float | None = None, dataset: Path | None = None) -> Trace:
     """Round ``round_``'s workload; at ``load``, the load axis's parameter set to it
-    (the seed is the round's whatever the load: common random numbers across loads)."""
+    (the seed is the round's whatever the load: common random numbers across loads). A
+    dataset workload is converted from ``dataset`` (default the project's copy), the
+    same requests every round."""
     wl = exp.workload
     if load is not None and exp.load is None:
         raise ValueError(f"{exp.path}: a load ({load}) was given, but the experiment has no load axis (key load)")
@@ -70,6 +72,8 @@ def load_trace(exp: Experiment, round_: int, load: float | None = None) -> Trace
     params = dict(wl.get("params", {}))
     if load is not None:
         params[exp.load.param] = load
+    if "dataset" in wl:
+        return load_dataset(wl["dataset"], dataset, **params)
     return generate(wl["generator"], trace_seed(exp.seed, round_), **params)
 
 

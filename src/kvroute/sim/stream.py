@@ -12,6 +12,12 @@ their own around each message, keyed by role and part, as the engine sees them a
 rendering: ``[system open, system, system close]``, then per turn ``[user open, user,
 user close, generation prompt]`` (the prompt ends there), the reply, and the reply's
 close (which the next turn's prompt holds).
+
+A prompt given explicitly as block ids (a trace's ``hash_ids``, :meth:`add_blocks`)
+is one segment per id, keyed ``(BLOCK, id)`` and ``block_tokens`` long, the last one
+cut to what is left: equal leading ids are equal segments, so their engine blocks
+hash alike at any engine block size, and a partial last block is a prefix of its
+id's full content (offsets from 0), shared as far as it goes.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from kvroute.kvcache.hashing import DEFAULT_SEED, ROOT_HASH, text_key
 SYSTEM, USER, ASSISTANT = 0, 1, 2
 TEMPLATE = 3  # key (TEMPLATE, role, part): the same template text wherever it appears
 OPEN, CLOSE = 0, 1
+BLOCK = 4  # key (BLOCK, hash_id): an explicit prompt's block
 
 
 class ConversationStream:
@@ -60,6 +67,18 @@ class ConversationStream:
         """The reply (``n`` generated tokens), then its close as the next prompt holds it."""
         self._append((ASSISTANT, conv_index, turn), n)
         self._append((TEMPLATE, ASSISTANT, CLOSE), self.template.assistant_close)
+
+    def add_blocks(self, hash_ids: tuple[int, ...], n: int, block_tokens: int) -> None:
+        """Append an explicit prompt of ``n`` tokens: ``block_tokens`` per id, the last
+        id's block cut to the tokens left (``len(hash_ids) == ceil(n / block_tokens)``)."""
+        if len(hash_ids) != -(-n // block_tokens):
+            raise ValueError(f"{len(hash_ids)} hash_ids for {n} tokens of {block_tokens}-token blocks")
+        segments = self.segments
+        for h in hash_ids[:-1]:
+            segments.append(((BLOCK, h), block_tokens))
+        if hash_ids:
+            segments.append(((BLOCK, hash_ids[-1]), n - block_tokens * (len(hash_ids) - 1)))
+        self.length += n
 
     def chain(self, n_tokens: int) -> list[int]:
         """Hashes of the full blocks among the first ``n_tokens`` tokens (a list prefix view)."""

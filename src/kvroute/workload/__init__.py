@@ -1,4 +1,4 @@
-"""Workloads: the trace model, synthetic generators, ShareGPT conversion and download.
+"""Workloads: the trace model, synthetic generators, ShareGPT and Mooncake conversion and download.
 
 See docs/workloads.md for the generators' parameters and the sources of their fits. The
 field's generator is ``generate("field", ...)`` or ``kvroute.workload.field.field`` (the
@@ -20,7 +20,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "GENERATORS", "TOKENS_PER_WORD", "agent", "generate", "generator_params", "note2",
         "sharegpt_fit", "sharegpt_like", "words_to_tokens",
     ),
+    "datasets": ("DATASETS", "check_dataset_params", "dataset_params", "load_dataset"),
     "io": ("read_trace", "trace_from_frame", "trace_to_frame", "write_trace"),
+    "mooncake": ("MOONCAKE_TRACES", "fetch_mooncake", "mooncake_trace"),
     "sharegpt": (
         "SHAREGPT_FILENAME", "SHAREGPT_SHA256", "SHAREGPT_SIZE", "SHAREGPT_URL",
         "ChecksumMismatch", "DownloadError", "convert_sharegpt", "describe_tokenizer",
@@ -52,8 +54,14 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
         GENERATORS, TOKENS_PER_WORD, agent, generate, generator_params, note2, sharegpt_fit,
         sharegpt_like, words_to_tokens,
     )
+    from kvroute.workload.datasets import (  # noqa: F401
+        DATASETS, check_dataset_params, dataset_params, load_dataset,
+    )
     from kvroute.workload.io import (  # noqa: F401
         read_trace, trace_from_frame, trace_to_frame, write_trace,
+    )
+    from kvroute.workload.mooncake import (  # noqa: F401
+        MOONCAKE_TRACES, fetch_mooncake, mooncake_trace,
     )
     from kvroute.workload.sharegpt import (  # noqa: F401
         SHAREGPT_FILENAME, SHAREGPT_SHA256, SHAREGPT_SIZE, SHAREGPT_URL, ChecksumMismatch,

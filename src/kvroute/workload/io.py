@@ -1,8 +1,15 @@
 """Traces as tables and parquet files.
 
 A trace is stored as one row per turn (the shape every notebook and the record schema
-already use) plus the trace-level fields (``name``, ``mode``, ``concurrency``, ``meta``)
-as JSON in the parquet schema metadata, so one file is the whole workload. Writes are
+already use) plus the trace-level fields (``name``, ``mode``, ``concurrency``, ``meta``,
+``block_tokens``) as JSON in the parquet schema metadata, so one file is the whole
+workload.
+
+Format versions: 1 has the :data:`COLUMNS`; 2 adds, where the trace uses them, the
+:data:`V2_COLUMNS` (``turn_arrival_s``: each turn's own arrival, replay mode;
+``hash_ids``: a turn's prompt as block ids) and ``block_tokens`` in the header. A
+trace is written in the oldest version that holds it, so a trace without either is
+the same file as before version 2; both versions are read. Writes are
 atomic (temp file in the same folder, then ``os.replace``) so an interrupted run never
 leaves a half-written trace behind, and the round trip is exact: ``read_trace(p) ==
 trace`` after ``write_trace(trace, p)``.
@@ -12,11 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,7 +35,8 @@ from kvroute.workload.trace import Conversation, Mode, Trace, Turn
 log = logging.getLogger(__name__)
 
 METADATA_KEY = b"kvroute.trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 
 #: Column name -> pandas dtype, in file order.
 COLUMNS: dict[str, str] = {
@@ -39,18 +49,41 @@ COLUMNS: dict[str, str] = {
     "output_tokens": "int64",
     "think_s": "float64",
 }
+#: Version-2 columns, present when the trace uses them: a turn's own arrival (NaN: none)
+#: and its prompt's block ids (None: built from the history).
+V2_COLUMNS: dict[str, str] = {
+    "turn_arrival_s": "float64",
+    "hash_ids": "object",
+}
+
+
+def _v2_columns(trace: Trace) -> list[str]:
+    """The version-2 columns ``trace`` needs (none: a version-1 table)."""
+    out = []
+    if any(t.arrival_s is not None for c in trace.conversations for t in c.turns):
+        out.append("turn_arrival_s")
+    if trace.explicit:
+        out.append("hash_ids")
+    return out
 
 
 def trace_to_frame(trace: Trace) -> pd.DataFrame:
-    """One row per turn, conversations in trace order, turns 0-based in order."""
+    """One row per turn, conversations in trace order, turns 0-based in order; the
+    version-2 columns only where the trace uses them."""
     rows = [
         (c.id, c.system_id, c.system_tokens, c.arrival_s,
          i, t.user_tokens, t.output_tokens, t.think_s)
         for c in trace.conversations
         for i, t in enumerate(c.turns)
     ]
-    frame = pd.DataFrame.from_records(rows, columns=list(COLUMNS))
-    return frame.astype(COLUMNS)
+    frame = pd.DataFrame.from_records(rows, columns=list(COLUMNS)).astype(COLUMNS)
+    turns = [t for c in trace.conversations for t in c.turns]
+    for col in _v2_columns(trace):
+        if col == "turn_arrival_s":
+            frame[col] = pd.array([math.nan if t.arrival_s is None else t.arrival_s for t in turns], dtype="float64")
+        else:
+            frame[col] = pd.Series([None if t.hash_ids is None else list(t.hash_ids) for t in turns], dtype="object")
+    return frame
 
 
 def trace_from_frame(
@@ -59,23 +92,38 @@ def trace_from_frame(
     mode: Mode,
     concurrency: int | None = None,
     meta: Mapping | None = None,
+    block_tokens: int | None = None,
 ) -> Trace:
     """Rebuild a trace from :func:`trace_to_frame`'s table; validates what it builds.
 
     Conversations come out in the order of their first row; rows of one conversation
     may be in any order but their ``turn`` values must be exactly 0..n-1 and their
-    conversation-level columns must agree.
+    conversation-level columns must agree. The :data:`V2_COLUMNS` are optional.
     """
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"trace table lacks column(s) {missing}; expected {list(COLUMNS)}")
     cols = {c: df[c].tolist() for c in COLUMNS}  # Python scalars, not numpy ones
+    n = len(df)
+    arrivals = df["turn_arrival_s"].tolist() if "turn_arrival_s" in df.columns else [math.nan] * n
+    cols["turn_arrival_s"] = [None if a is None or math.isnan(a) else float(a) for a in arrivals]
+    ids = df["hash_ids"].tolist() if "hash_ids" in df.columns else [None] * n
+    cols["hash_ids"] = [_ids(v) for v in ids]
     grouped: dict[str, list[int]] = {}
     for row, conv in enumerate(cols["conversation"]):
         grouped.setdefault(str(conv), []).append(row)
     conversations = tuple(_conversation(conv, rows, cols) for conv, rows in grouped.items())
-    trace = Trace(name, mode, conversations, concurrency, dict(meta or {}))
+    trace = Trace(name, mode, conversations, concurrency, dict(meta or {}), block_tokens)
     return trace.validate()
+
+
+def _ids(value: object) -> tuple[int, ...] | None:
+    """A ``hash_ids`` cell as a tuple of Python ints (None: no explicit prompt)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    return tuple(int(h) for h in value)
 
 
 def _conversation(conv: str, rows: list[int], cols: dict[str, list]) -> Conversation:
@@ -92,7 +140,8 @@ def _conversation(conv: str, rows: list[int], cols: dict[str, list]) -> Conversa
             raise ValueError(f"conversation {conv!r} has several {key} values: {shown}")
     first = rows[0]
     turns = tuple(
-        Turn(int(cols["user_tokens"][r]), int(cols["output_tokens"][r]), float(cols["think_s"][r]))
+        Turn(int(cols["user_tokens"][r]), int(cols["output_tokens"][r]), float(cols["think_s"][r]),
+             cols["turn_arrival_s"][r], cols["hash_ids"][r])
         for r in rows
     )
     return Conversation(
@@ -104,15 +153,17 @@ def _conversation(conv: str, rows: list[int], cols: dict[str, list]) -> Conversa
     )
 
 
-def _header(trace: Trace) -> bytes:
+def _header(trace: Trace, version: int) -> bytes:
     """Trace-level fields as JSON; refuses meta that JSON would not give back equal."""
     header = {
-        "format": FORMAT_VERSION,
+        "format": version,
         "name": trace.name,
         "mode": trace.mode,
         "concurrency": trace.concurrency,
         "meta": trace.meta,
     }
+    if version >= 2:
+        header["block_tokens"] = trace.block_tokens
     try:
         text = json.dumps(header, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -133,9 +184,14 @@ def write_trace(trace: Trace, path: str | os.PathLike) -> Path:
     """
     trace.validate()
     path = Path(path)
-    table = pa.Table.from_pandas(trace_to_frame(trace), preserve_index=False)
+    frame = trace_to_frame(trace)
+    ids = frame.pop("hash_ids") if "hash_ids" in frame.columns else None
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    if ids is not None:
+        table = table.append_column("hash_ids", pa.array(ids.tolist(), type=pa.list_(pa.int64())))
+    version = FORMAT_VERSION if (trace.mode == "replay" or trace.explicit) else 1
     metadata = dict(table.schema.metadata or {})
-    metadata[METADATA_KEY] = _header(trace)
+    metadata[METADATA_KEY] = _header(trace, version)
     table = table.replace_schema_metadata(metadata)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -160,10 +216,19 @@ def read_trace(path: str | os.PathLike) -> Trace:
     if raw is None:
         raise ValueError(f"{path} is not a kvroute trace (no {METADATA_KEY.decode()} metadata)")
     header = json.loads(raw)
-    if header.get("format") != FORMAT_VERSION:
+    if header.get("format") not in READ_VERSIONS:
         raise ValueError(
-            f"{path}: trace format {header.get('format')!r}, this kvroute reads {FORMAT_VERSION}"
+            f"{path}: trace format {header.get('format')!r}, this kvroute reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}"
         )
+    ids = None
+    if "hash_ids" in table.column_names:  # Python lists straight from arrow (not numpy arrays)
+        ids = table.column("hash_ids").to_pylist()
+        table = table.drop_columns(["hash_ids"])
+    frame = table.to_pandas()
+    if ids is not None:
+        frame["hash_ids"] = pd.Series(ids, dtype="object")
     return trace_from_frame(
-        table.to_pandas(), header["name"], header["mode"], header["concurrency"], header["meta"]
+        frame, header["name"], header["mode"], header["concurrency"], header["meta"],
+        header.get("block_tokens"),
     )
