@@ -971,7 +971,8 @@ def test_gateway_command_runs_as_a_process():
     b = BackendProcess("b0").start()
     code = "from kvroute.live.gateway import gateway_command; gateway_command()"
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, "--policy", "kv_aware", "--worker", f"w0={b.url}", "--port", "0"],
+        [sys.executable, "-c", code, "--policy", "kv_aware", "--worker", f"w0={b.url}", "--port", "0",
+         "--max-body-mib", "0.125", "--header-timeout-s", "5", "--idle-timeout-s", "30"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -983,6 +984,8 @@ def test_gateway_command_runs_as_a_process():
             async with aiohttp.ClientSession() as c:
                 status, hdr, data = await send(c, url, chat_body([{"role": "user", "content": "hi"}]))
                 assert status == 200 and hdr["X-Worker"] == "w0"
+                status, _, data = await send(c, url, chat_body([{"role": "user", "content": "x" * 2**17}]))
+                assert status == 413 and "limit of 131072 bytes" in json.loads(data)["error"]["message"]
 
         run(body())
         proc.send_signal(signal.SIGTERM)

@@ -36,6 +36,13 @@ routes (``fast_front=False`` serves everything through aiohttp). Per request, ai
 server machinery (its Request and StreamResponse objects, per-connection task loop)
 cost about a quarter of the gateway's CPU.
 
+Limits (docs/live.md, "Request limits and client timeouts"): a body over
+``max_body_bytes`` gets 413 without being read (from its declared length, before
+``100 Continue``; a chunked one once past the limit); a connection is closed when its
+request head is not complete ``header_timeout_s`` after it began, when its body stops
+arriving that long (408), or when it is kept alive ``idle_timeout_s`` with no request.
+A request in flight has no timer.
+
 Upstream requests go through :mod:`kvroute.live.upstream` (a lean HTTP/1.1 client on
 kept-alive connections: the request head and body in one send, the response parsed
 in one small protocol object), not aiohttp's ``ClientSession``, whose per-request
@@ -138,7 +145,12 @@ _NO_BODY_STATUS = frozenset((204, 304))
 _MAX_REQUEST_HEAD = 64 * 1024
 #: consecutive timed-out health probes that mark a worker down (a refusal or a 5xx: one)
 PROBE_TIMEOUTS_DOWN = 3
-_IDLE_CLOSE_S = 75.0  # a kept-alive client connection idle this long is closed (aiohttp's default)
+#: the request-body limit (Gateway's ``max_body_bytes``; why 8 MiB: see Gateway)
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+#: how long a request head may take from its first byte (and a body between two reads)
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: how long a kept-alive client connection may wait for its next request
+DEFAULT_IDLE_TIMEOUT_S = 75.0
 _LATENCY_BUCKETS = (
     5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0
 )
@@ -269,6 +281,15 @@ class _Failure:
     worker: str | None = None
 
 
+def _too_large(limit: int, size: int | None) -> _Failure:
+    """The 413 for a body over ``limit`` bytes (``size``: as declared; None: a chunked
+    body, refused once more than the limit arrived)."""
+    what = f"request body of {size} bytes" if size is not None else "chunked request body"
+    return _Failure(413, f"{what} is over the gateway's limit of {limit} bytes "
+                    f"({limit / 2**20:g} MiB: max_body_bytes, kvroute gateway --max-body-mib)",
+                    "request_too_large")
+
+
 @dataclass(slots=True)
 class _Attempt:
     response: Upstream
@@ -325,6 +346,15 @@ class _StateCollector:
         for (worker, kind), n in sorted(gw._failures.items()):
             failures.add_metric([worker, kind], float(n))
         yield failures
+        closed = CounterMetricFamily(
+            "kvroute_gateway_client_timeouts", "client connections the fast front end closed with no "
+            "request in flight: header_timeout (no complete head in time), body_timeout (a body "
+            "stopped arriving; answered 408), idle_timeout (kept alive, no next request)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(gw._closed.items()):
+            closed.add_metric([reason], float(n))
+        yield closed
         yield gw._decision.family(
             "kvroute_gateway_decision_seconds", "time of one routing decision "
             "(view snapshot, policy.choose, recording)",
@@ -371,16 +401,26 @@ class _ClientConnection(asyncio.Protocol):
     ``Content-Length`` body (what the load generator, the OpenAI clients and the
     benchmarks send) is routed by :meth:`Gateway._route` and relayed straight to the
     transport: the response head and the first chunk in one write, chunked encoding
-    for streams, ``Content-Length`` otherwise. Anything else (another method or path,
-    ``Transfer-Encoding``, ``Expect``, a malformed or oversized head, an empty body) hands
-    the connection, with the bytes not yet consumed, to aiohttp's ``RequestHandler``
-    for good, so /health, /metrics, /v1/models, errors and every HTTP corner behave as
-    aiohttp makes them. Requests on a connection are served one at a time, in order.
+    for streams, ``Content-Length`` otherwise. A declared body over the gateway's
+    ``max_body_bytes`` is answered 413 from the head alone (``Expect: 100-continue``
+    or not) and the connection closed (:class:`_Lingering`). Anything else (another
+    method or path, ``Transfer-Encoding``, ``Expect`` within the limit, a malformed or
+    oversized head, an empty body) hands the connection, with the bytes not yet
+    consumed, to aiohttp's ``RequestHandler`` for good, so /health, /metrics,
+    /v1/models, errors and every HTTP corner behave as aiohttp makes them. Requests on
+    a connection are served one at a time, in order.
+
+    Timers: ``deadline`` is when the connection is closed unless a request is being
+    served (``busy``); :meth:`Gateway._sweep` checks it. It is set to
+    ``header_timeout_s`` after the connection opens and after a request's first byte,
+    re-armed by each read of a body still arriving, and set to ``idle_timeout_s``
+    after a response when nothing of the next request has arrived. A request in
+    flight (a long stream included) has no timer.
     """
 
     __slots__ = (
         "gw", "transport", "buf", "busy", "closed", "task", "upstream", "write_paused",
-        "read_paused", "last", "keep", "first_at", "first_events", "first_end",
+        "read_paused", "deadline", "idle", "keep", "first_at", "first_events", "first_end",
     )
 
     def __init__(self, gw: Gateway) -> None:
@@ -393,7 +433,8 @@ class _ClientConnection(asyncio.Protocol):
         self.upstream: Upstream | None = None
         self.write_paused = False
         self.read_paused = False
-        self.last = monotonic()
+        self.deadline = monotonic() + gw.header_timeout_s  # the first request is due
+        self.idle = False  # the deadline is idle_timeout_s's (kept alive after a response)
         self.keep = True  # the request being served keeps the connection alive
         self.first_at = 0.0  # when its first chunk went out (by _send_first)
         self.first_events = 0  # SSE events in that chunk
@@ -424,6 +465,9 @@ class _ClientConnection(asyncio.Protocol):
         buf = self.buf
         if not buf:
             self.buf = data
+            if not self.busy:  # a request's first bytes: its head is due
+                self.deadline = monotonic() + self.gw.header_timeout_s
+                self.idle = False
         elif type(buf) is bytearray:
             buf += data
         elif len(buf) + len(data) > _MAX_REQUEST_HEAD:  # a large body: append in place
@@ -442,7 +486,7 @@ class _ClientConnection(asyncio.Protocol):
         """Start the buffered request if it is complete (or hand over what is not ours)."""
         buf = self.buf
         end = buf.find(b"\r\n\r\n")
-        if end < 0:
+        if end < 0 or end > _MAX_REQUEST_HEAD:
             if len(buf) > _MAX_REQUEST_HEAD:
                 self._handover()
             return
@@ -462,6 +506,7 @@ class _ClientConnection(asyncio.Protocol):
         length = -1
         sid = None
         keep_alive = True
+        expect = False
         headers = []
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
@@ -475,27 +520,54 @@ class _ClientConnection(asyncio.Protocol):
                     self._handover()
                     return
                 length = int(value)
-            elif n in (b"transfer-encoding", b"expect", b"upgrade"):
+            elif n in (b"transfer-encoding", b"upgrade"):
                 self._handover()
                 return
+            elif n == b"expect":
+                expect = True  # aiohttp answers it, unless the body is too large
             elif n == b"connection":
                 if b"close" in value.lower():
                     keep_alive = False
             elif n == b"x-session-id" and sid is None:
                 sid = value.decode("utf-8", "surrogateescape")
             headers.append((name, value))
-        if length <= 0 or length > self.gw.client_max_size:
-            self._handover()  # aiohttp answers a missing body or one too large
+        if length > self.gw.max_body_bytes:
+            self._refuse(_too_large(self.gw.max_body_bytes, length))
+            return
+        if length <= 0 or expect:
+            self._handover()  # aiohttp answers a missing body, and Expect
             return
         total = end + 4 + length
-        if len(buf) < total:
-            return  # the rest of the body is on its way
+        if len(buf) < total:  # the rest of the body is on its way: each read re-arms the timer
+            self.deadline = monotonic() + self.gw.header_timeout_s
+            return
         body = bytes(buf[end + 4 : total])
         self.buf = buf[total:] if total < len(buf) else b""
         self.busy = True
         self.task = asyncio.get_running_loop().create_task(
             self._serve(path, headers, body, sid, keep_alive, perf_counter())
         )
+
+    def _refuse(self, f: _Failure) -> None:
+        """Answer ``f`` before reading the body, then discard what follows and close."""
+        self._fail(f, keep_alive=False)
+        self.gw._conns.discard(self)
+        self.buf = b""
+        _Lingering(self.gw, self.transport)
+
+    def timed_out(self) -> None:
+        """Past the deadline with no request in flight: a body that stopped arriving
+        gets 408; a missing or partial head, or an idle connection, is just closed."""
+        gw = self.gw
+        gw._conns.discard(self)
+        if self.buf.find(b"\r\n\r\n") >= 0:
+            reason = "body_timeout"
+            self._fail(_Failure(408, f"request body stalled: no byte for header_timeout_s "
+                                f"({gw.header_timeout_s:g} s)", "request_timeout"), keep_alive=False)
+        else:
+            reason = "idle_timeout" if self.idle else "header_timeout"
+        gw._closed[reason] = gw._closed.get(reason, 0) + 1
+        self.transport.close()
 
     def _handover(self) -> None:
         """Give the connection (and the bytes not consumed) to aiohttp for good."""
@@ -538,7 +610,9 @@ class _ClientConnection(asyncio.Protocol):
         finally:
             self.busy = False
             self.task = None
-            self.last = monotonic()
+            # idle until the next request's first byte; one already here: its head is due
+            self.idle = not self.buf
+            self.deadline = monotonic() + (self.gw.idle_timeout_s if self.idle else self.gw.header_timeout_s)
             if not self.closed:
                 if not keep_alive:
                     self.transport.close()
@@ -658,6 +732,38 @@ class _ClientConnection(asyncio.Protocol):
         return True
 
 
+class _Lingering(asyncio.Protocol):
+    """A refused connection's last state: discard what the client still sends, close at
+    its end or after ``header_timeout_s``.
+
+    Closing a socket with unread bytes makes the kernel send a reset, which can reach
+    the client before it has read the answer; reading the rest away (nginx's and
+    aiohttp's "lingering close") lets it read the answer. The write side is shut after
+    the answer, so a client that stopped sending sees the end at once.
+    """
+
+    __slots__ = ("gw", "transport", "timer")
+
+    def __init__(self, gw: Gateway, transport: asyncio.Transport) -> None:
+        self.gw = gw
+        self.transport = transport
+        gw._lingering.add(self)
+        transport.set_protocol(self)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(gw.header_timeout_s, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.timer.cancel()
+        self.gw._lingering.discard(self)
+
+
 class Gateway:
     """One gateway: policy, view, session store, HTTP server and client.
 
@@ -693,6 +799,27 @@ class Gateway:
         session_kwargs: extra :class:`SessionStore` arguments (tests).
         fast_front: serve proxied POSTs with :class:`_ClientConnection` (False: aiohttp
             serves every request, as the gateway's own handler; tests compare both).
+        max_body_bytes: the largest request body taken; a larger one gets 413 with a
+            JSON error naming the limit, from its ``Content-Length`` alone (before any
+            of it is read, before ``100 Continue``) or, chunked, once more than the limit
+            has arrived, and the connection is closed. The default, 8 MiB, holds any
+            real prompt with margin: chat JSON is about 4 bytes a token for English
+            text and at most about 12 where every character is a ``\\uXXXX`` escape,
+            so a full 128k-token context is 0.5-1.5 MiB and a 1M-token English prompt
+            about 4 MiB. (aiohttp's default, 64 MiB, which the gateway had before,
+            let a 64 MB body be read whole and parsed.)
+        header_timeout_s: a connection that sends no complete request head within this
+            long of opening or of the head's first byte is closed, as is one whose body
+            stops arriving for this long (408); also how long a refused connection's
+            remaining bytes are read away. Default 10 s: a real client sends its head in
+            one round trip.
+        idle_timeout_s: a kept-alive connection with no request for this long after its
+            last response is closed. Default 75 s (nginx's keepalive_timeout; clients'
+            pools close theirs sooner: aiohttp 15 s, httpx 5 s). A request in flight,
+            however long its stream, is never cut by either timer. On the aiohttp path
+            (``fast_front=False``, or a connection handed over) this is aiohttp's
+            ``keepalive_timeout``, and aiohttp has no header timeout of its own: a
+            missing or partial head there waits ``idle_timeout_s``.
 
     Use ``await start(host, port)`` / ``await stop()`` inside a running loop, or
     :func:`run_gateway` from a command line.
@@ -728,7 +855,15 @@ class Gateway:
         kv_connect_timeout_s: float = 5.0,
         load_signal: LoadSignal = ROUTER,
         kv_capacity_blocks: int | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+        for name, value in (("header_timeout_s", header_timeout_s), ("idle_timeout_s", idle_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
         pairs = [parse_worker(w) if isinstance(w, str) else tuple(w) for w in workers]
         if load_signal.source == "events" and not kv_events:
             raise ValueError("load_signal events delays the engines' KV events: give the gateway kv_events "
@@ -777,9 +912,13 @@ class Gateway:
         self._client: aiohttp.ClientSession | None = None  # health probes, /v1/models
         self._pool: UpstreamPool | None = None  # the proxied requests
         self.fast_front = fast_front
-        self.client_max_size = 64 * 2**20
+        self.max_body_bytes = max_body_bytes
+        self.header_timeout_s = float(header_timeout_s)
+        self.idle_timeout_s = float(idle_timeout_s)
         self._server: asyncio.AbstractServer | None = None  # the fast front end's listener
         self._conns: set[_ClientConnection] = set()
+        self._lingering: set[_Lingering] = set()  # refused connections reading their rest away
+        self._closed: dict[str, int] = {}  # fast front end: connections closed by a timer, by reason
         self._answered: dict[str, float] = {}  # worker -> perf_counter of its latest response head
         self._probe_timeouts: dict[str, int] = {}  # worker -> health probes timed out in a row
         self._worker_header = {
@@ -800,9 +939,9 @@ class Gateway:
         self._added = _Histogram(_LATENCY_BUCKETS)
         self.registry.register(_StateCollector(self))
 
-        self.app = web.Application(client_max_size=self.client_max_size)
-        self.app.router.add_post(CHAT_PATH, self._proxy)
-        self.app.router.add_post(COMPLETIONS_PATH, self._proxy)
+        self.app = web.Application(client_max_size=max_body_bytes)
+        self.app.router.add_post(CHAT_PATH, self._proxy, expect_handler=self._expect)
+        self.app.router.add_post(COMPLETIONS_PATH, self._proxy, expect_handler=self._expect)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/v1/models", self._models)
@@ -834,7 +973,12 @@ class Gateway:
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
+        # aiohttp's keepalive_timeout closes a connection with no complete request in
+        # hand (idle, nothing sent, a partial head); lingering_time bounds the reading
+        # away of a refused body
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0,
+                                     keepalive_timeout=self.idle_timeout_s,
+                                     lingering_time=self.header_timeout_s)
         await self._runner.setup()
         server = self._runner.server
         if server is not None and getattr(server, "request_handler", None) == self.app._handle:
@@ -849,6 +993,8 @@ class Gateway:
         else:
             await web.SockSite(self._runner, sock).start()
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="gateway-health-probe"))
+        if self.fast_front:
+            self._tasks.append(asyncio.create_task(self._sweep_loop(), name="gateway-client-timers"))
         if self.view.scraped:
             for name in self.view.workers:
                 self._tasks.append(asyncio.create_task(self._scrape_loop(name), name=f"gateway-scrape-{name}"))
@@ -868,6 +1014,8 @@ class Gateway:
         conns, self._conns = list(self._conns), set()
         for conn in conns:
             conn.transport.close()
+        for lingering in list(self._lingering):
+            lingering.transport.close()
         await cancel_all([c.task for c in conns if c.task is not None])
         if self._runner is not None:
             await self._runner.cleanup()
@@ -890,10 +1038,13 @@ class Gateway:
     def _error(self, status: int, message: str, kind: str, worker: str | None = None) -> web.Response:
         self._count(worker or "", str(status))
         headers = {WORKER_HEADER: worker} if worker else None
-        return web.json_response(
+        resp = web.json_response(
             {"error": {"message": message, "type": kind, "code": status}},
             status=status, headers=headers,
         )
+        if status in (408, 413):  # the body was not read to its end: the connection cannot be kept
+            resp.force_close()
+        return resp
 
     def _decide(self, req: RouteRequest, known_session: bool, view=None) -> tuple[str, int]:
         """Choose a worker and record the decision; returns ``(worker, matched tokens)``."""
@@ -965,10 +1116,51 @@ class Gateway:
             return await self._proxy(request)
         return await self._app_handle(request)
 
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect`` on a proxied path: 413 for a declared body over the limit, before
+        the client sends it (no ``100 Continue``); else what aiohttp's default handler
+        does (``100 Continue`` for HTTP/1.1 ``100-continue``, 417 for anything else)."""
+        size = request.content_length
+        if size is not None and size > self.max_body_bytes:
+            f = _too_large(self.max_body_bytes, size)
+            return self._error(f.status, f.message, f.kind)
+        if request.version == aiohttp.HttpVersion11:
+            expect = request.headers.get(EXPECT, "")
+            if expect.lower() != "100-continue":
+                raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # (as aiohttp's: the response has not begun)
+        return None
+
+    async def _read_body(self, request: web.Request) -> bytes | _Failure:
+        """The aiohttp path's body, at most ``max_body_bytes`` of it (413 past that: a
+        declared size at once, a chunked body once the limit is passed) and with at most
+        ``header_timeout_s`` between reads (408), which aiohttp itself does not bound."""
+        limit = self.max_body_bytes
+        size = request.content_length
+        if size is not None and size > limit:
+            return _too_large(limit, size)
+        content = request.content
+        body = bytearray()
+        while True:
+            try:
+                async with asyncio.timeout(self.header_timeout_s):
+                    chunk = await content.readany()
+            except TimeoutError:
+                return _Failure(408, f"request body stalled: no byte for header_timeout_s "
+                                f"({self.header_timeout_s:g} s)", "request_timeout")
+            if not chunk:
+                return bytes(body)
+            body += chunk
+            if len(body) > limit:
+                return _too_large(limit, None)
+
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         """The aiohttp front end of :meth:`_route` (the fast one is :class:`_ClientConnection`)."""
         t0 = perf_counter()
-        body = await request.read()
+        body = await self._read_body(request)
+        if type(body) is _Failure:
+            return self._error(body.status, body.message, body.kind)
         r = await self._route(request.path, request.raw_headers, body, request.headers.get(SESSION_HEADER), t0)
         if type(r) is _Failure:
             return self._error(r.status, r.message, r.kind, r.worker)
@@ -1256,17 +1448,29 @@ class Gateway:
                 due += -(-(now - due) // period) * period
             await asyncio.sleep(due - now)
 
-    def _close_idle(self) -> None:
-        """Close fast-front-end client connections idle for ``_IDLE_CLOSE_S`` (dead peers)."""
-        oldest = monotonic() - _IDLE_CLOSE_S
-        for conn in [c for c in self._conns if not c.busy and c.last < oldest]:
-            conn.transport.close()
+    # -- client connection timers (fast front end) ----------------------------------------
+    def _sweep(self) -> None:
+        """Close the fast front end's connections past their deadline with no request in
+        flight (see :class:`_ClientConnection`): one scan, no timer per request."""
+        now = monotonic()
+        for conn in [c for c in self._conns if not c.busy and c.deadline < now]:
+            conn.timed_out()
+
+    async def _sweep_loop(self) -> None:
+        """:meth:`_sweep` every second, or every quarter of the shorter timeout when that
+        is less: a connection is closed at most that much after its deadline."""
+        period = min(1.0, self.header_timeout_s / 4, self.idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self._sweep()
+            except Exception:  # never let the timers die
+                log.exception("closing timed-out client connections failed")
 
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
             try:
-                self._close_idle()
                 await self.probe_once()
             except asyncio.CancelledError:
                 raise
@@ -1347,6 +1551,16 @@ def run_gateway(host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
               help="Bound of each worker's approximate index in chunks (default: TTL only).")
 @click.option("--read-timeout-s", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Longest silence from a worker before its request fails.")
+@click.option("--max-body-mib", default=DEFAULT_MAX_BODY_BYTES / 2**20, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Largest request body in MiB; a larger one gets 413 before it is read.")
+@click.option("--header-timeout-s", default=DEFAULT_HEADER_TIMEOUT_S, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Close a client connection whose request head is not complete this long after it "
+                   "began (or whose body stops arriving this long: 408).")
+@click.option("--idle-timeout-s", default=DEFAULT_IDLE_TIMEOUT_S, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Close a kept-alive client connection with no request for this long (never one in flight).")
 @click.option("--kv-events", "kv_events", multiple=True,
               help="ZMQ endpoint of a worker's KV events (its --kv-events-config endpoint), NAME=ENDPOINT or one "
                    "per --worker in order; makes the view exact. tcp://127.0.0.1:P is bound here (the engine connects).")
@@ -1377,7 +1591,8 @@ def gateway_command(
     session_ttl_s: float, block_chars: int, chars_per_token: float, prefill_ms_per_token: float,
     decode_ms_per_running: float, max_num_seqs: int | None, decode_step_ms: float, health_interval_s: float,
     index_ttl_s: float,
-    index_capacity_blocks: int | None, read_timeout_s: float, kv_events: tuple[str, ...], tokenizer: str | None,
+    index_capacity_blocks: int | None, read_timeout_s: float, max_body_mib: float, header_timeout_s: float,
+    idle_timeout_s: float, kv_events: tuple[str, ...], tokenizer: str | None,
     kv_block_size: int | None, kv_topic: str, load_source: str, scrape_interval_ms: float | None,
     events_delay_ms: float | None, kv_capacity_blocks: int | None, seed: int, log_level: str,
 ) -> None:
@@ -1416,6 +1631,8 @@ def gateway_command(
         max_num_seqs=max_num_seqs, decode_step_s=decode_step_ms / 1e3,
         health_interval_s=health_interval_s, index_ttl_s=index_ttl_s,
         index_capacity_blocks=index_capacity_blocks, read_timeout_s=read_timeout_s,
+        max_body_bytes=max(1, int(max_body_mib * 2**20)), header_timeout_s=header_timeout_s,
+        idle_timeout_s=idle_timeout_s,
         kv_events=kv or None, tokenizer=tokenizer, kv_block_size=kv_block_size, kv_topic=kv_topic,
         load_signal=signal, kv_capacity_blocks=kv_capacity_blocks,
     )
