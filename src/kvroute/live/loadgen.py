@@ -372,8 +372,11 @@ async def discover_model(session: aiohttp.ClientSession, endpoint: str, timeout_
     return None
 
 
-def make_session(limit: int = 0, limit_per_host: int = 0, keepalive_timeout_s: float = 75.0) -> aiohttp.ClientSession:
-    """A client session with kept-alive connections (no total timeout: requests set their own)."""
+def make_session(limit: int = 0, limit_per_host: int = 0, keepalive_timeout_s: float = 60.0) -> aiohttp.ClientSession:
+    """A client session with kept-alive connections (no total timeout: requests set their own).
+
+    Idle connections are dropped after 60 s, before the gateway's 75 s idle timeout closes
+    them, so a request is never sent on a connection the gateway is closing."""
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive_timeout_s)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
                                  auto_decompress=False)
