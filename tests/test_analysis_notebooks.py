@@ -53,6 +53,12 @@ SAMPLES = {
     "field-vllm-multiturn": {"generator": "vllm_multiturn", "params": {"conversations": 4},
                              "load": {"param": "concurrency", "values": [2, 4]},
                              "runs": [{"hardware": "a6000x4", "policies": ["round_robin", "kv_aware"]}]},
+    "field-mooncake-conversation": {"dataset": "mooncake", "params": {"name": "conversation", "duration_s": 30},
+                                    "load": {"param": "speedup", "values": [1, 4]},
+                                    "runs": [{"hardware": "h100x8", "policies": ["round_robin", "kv_aware"]}]},
+    "field-mooncake-synthetic": {"dataset": "mooncake", "params": {"name": "synthetic", "duration_s": 30},
+                                 "load": {"param": "speedup", "values": [1, 4]},
+                                 "runs": [{"hardware": "h100x8", "policies": ["round_robin", "kv_aware"]}]},
     "explainer-two-replicas": {"generator": "agent",
                                "params": {"conversations": 4, "concurrency": 1, "system_words": 0,
                                           "first_prompt_tokens": 1500, "last_prompt_tokens": 1616, "min_turns": 2,
@@ -75,8 +81,10 @@ OUTPUTS = {
               "numbers/note2.tex"],
     "tn4": [*[f"figures/tn4/{f}.{e}" for f in ("closed_vs_sim", "per_turn", "note2_shape") for e in ("pdf", "png")],
             "tables/tn4/sweep.tex", "numbers/tn4.tex"],
-    "field": [*[f"figures/field/{f}.{e}" for f in ("sglang", "llmd", "blis", "vllm") for e in ("pdf", "png")],
-              *[f"tables/field/{t}.tex" for t in ("setups", "sglang", "sglang_burst", "llmd", "blis", "vllm")],
+    "field": [*[f"figures/field/{f}.{e}" for f in ("sglang", "llmd", "blis", "vllm", "mooncake_conversation",
+                                                   "mooncake_synthetic") for e in ("pdf", "png")],
+              *[f"tables/field/{t}.tex" for t in ("setups", "sglang", "sglang_burst", "llmd", "blis", "vllm",
+                                                  "mooncake_conversation", "mooncake_synthetic")],
               "numbers/field.tex"],
     "sticky": ["figures/sticky/arithmetic.pdf", "figures/sticky/arithmetic.png", "tables/sticky/arithmetic.tex",
                "tables/sticky/measurement.tex", "numbers/sticky.tex"],
@@ -96,7 +104,8 @@ def _simulate(name: str, spec: dict, out: Path, tmp: Path, rounds: int = 2) -> N
 
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"name": name, "seed": 3, "rounds": rounds,
-                                    "workload": {"generator": spec["generator"], "params": spec["params"]},
+                                    "workload": {("dataset" if "dataset" in spec else "generator"):
+                                                 spec.get("dataset", spec.get("generator")), "params": spec["params"]},
                                     **({"load": spec["load"]} if "load" in spec else {}), "runs": spec["runs"]}))
     simulate_experiment(load_experiment(path), out)
 
