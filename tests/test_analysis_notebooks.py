@@ -40,9 +40,9 @@ SAMPLES = {
     # the field setups (field.ipynb): few groups and sessions, two loads each
     "field-sglang-gsp": {"generator": "sglang_gsp", "params": {"groups": 4, "prompts_per_group": 3},
                          "load": {"param": "rate_per_s", "values": [8, 64]},
-                         "runs": [{"hardware": "a100x8", "policies": ["round_robin", "vllm_cache_aware", "kv_aware"]}]},
+                         "runs": [{"hardware": "a100x8", "policies": ["round_robin", "sglang_cache_aware", "kv_aware"]}]},
     "field-sglang-gsp-burst": {"generator": "sglang_gsp", "params": {"groups": 4, "prompts_per_group": 3},
-                               "runs": [{"hardware": "a100x8", "policies": ["round_robin", "vllm_cache_aware",
+                               "runs": [{"hardware": "a100x8", "policies": ["round_robin", "sglang_cache_aware",
                                                                            "kv_aware"]}]},
     "field-llmd-precise": {"generator": "llmd_shared_prefix", "params": {"groups": 4, "prompts_per_group": 2},
                            "load": {"param": "rate_per_s", "values": [3, 30]},

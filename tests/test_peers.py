@@ -96,10 +96,11 @@ def test_simulate_runs_production_routers_as_their_counterparts(tmp_path):
     exp = load_experiment(path)  # valid for measuring
     assert [r.policy for r in exp.expand(measured=True)] == ["round_robin", "vllm_router:cache_aware",
                                                              "sglang_router:cache_aware", "sglang_router:power_of_two"]
-    assert [r.policy for r in exp.expand()] == ["round_robin", "vllm_cache_aware"]
+    assert [r.policy for r in exp.expand()] == ["round_robin", "vllm_cache_aware", "sglang_cache_aware"]
     res = CliRunner().invoke(main, ["simulate", str(path), "--out", str(tmp_path / "o")])
     assert res.exit_code == 0, res.output
-    assert set(pd.read_parquet(tmp_path / "o" / "requests.parquet")["policy"]) == {"round_robin", "vllm_cache_aware"}
+    assert set(pd.read_parquet(tmp_path / "o" / "requests.parquet")["policy"]) == {"round_robin", "vllm_cache_aware",
+                                                                                "sglang_cache_aware"}
     res = CliRunner().invoke(main, ["simulate", str(path), "--out", str(tmp_path / "p"),
                                     "--policy", "vllm_router:cache_aware"])
     assert res.exit_code != 0
@@ -268,3 +269,72 @@ def test_cache_aware_counterpart_sends_misses_where_its_router_does(spec, engine
     assert peer == [8]
     assert asyncio.run(through_gateway(counterpart(spec))) == peer
     assert asyncio.run(through_gateway("prefix_approx")) == [4, 4]
+
+
+async def _mid_flight_placement(url: str) -> tuple[bool, bool]:
+    """A streams a long reply; B (sharing A's long system prompt) is sent after A's first
+    token, C after A has finished: (B went where A went, C went where A went)."""
+    import json
+
+    import aiohttp
+
+    from kvroute.hardware import load_hardware
+    from kvroute.live.engines import served_model_name
+    from kvroute.live.loadgen import WORKER_FIELD
+
+    model = served_model_name(load_hardware("cpu"))
+    system = "lorem " * 600
+
+    def body(i: int, **kw) -> dict:
+        return {"model": model, "messages": [{"role": "system", "content": system},
+                                             {"role": "user", "content": f"{chr(97 + i)}x " * 75}], **kw}
+
+    async with aiohttp.ClientSession() as c:
+        first, where = asyncio.Event(), {}
+
+        async def stream_a():
+            async with c.post(url + "/v1/chat/completions", json=body(0, max_tokens=120, stream=True),
+                              headers={"X-Session-ID": "a"}) as r:
+                async for line in r.content:
+                    if line.startswith(b"data:") and b"[DONE]" not in line:
+                        where.setdefault("a", json.loads(line[5:]).get(WORKER_FIELD))
+                        first.set()
+
+        task = asyncio.create_task(stream_a())
+        await first.wait()
+        async with c.post(url + "/v1/chat/completions", json=body(1, max_tokens=4), headers={"X-Session-ID": "b"}) as r:
+            where["b"] = (await r.json())[WORKER_FIELD]
+        assert not task.done(), "A finished before B was sent: slow the emulator down"
+        await task
+        async with c.post(url + "/v1/chat/completions", json=body(2, max_tokens=4), headers={"X-Session-ID": "c"}) as r:
+            where["c"] = (await r.json())[WORKER_FIELD]
+    return where["b"] == where["a"], where["c"] == where["a"]
+
+
+@needs_routers
+@pytest.mark.parametrize("spec", ["sglang_router:cache_aware", "vllm_router:cache_aware"])
+def test_cache_aware_counterpart_learns_a_prefix_when_its_router_does(spec, tmp_path):
+    """vllm-router 0.1.17 learns a request's text only when it finishes (a request sent
+    while it streams does not match it), sglang-router 0.3.2 when it routes it: the
+    counterpart, through the gateway, places B and C as the router does."""
+    from kvroute.live.engines import running_engines
+    from kvroute.live.gateway import Gateway
+    from kvroute.live.peers import running_peer
+    from kvroute.policies import counterpart
+
+    async def through_gateway(urls, names) -> tuple[bool, bool]:
+        gw = Gateway(list(zip(names, urls)), counterpart(spec))
+        await gw.start()
+        try:
+            return await _mid_flight_placement(gw.url)
+        finally:
+            await gw.stop()
+
+    # time_scale 1: A's 120 tokens stream for seconds, long enough to send B meanwhile
+    with running_engines("cpu", kind="emulator", run_dir=tmp_path / "engines", time_scale=1.0) as eng:
+        with running_peer(spec, eng.urls, log_path=tmp_path / "router.log") as url:
+            peer = asyncio.run(_mid_flight_placement(url))
+        eng.reset_prefix_cache()
+        ours = asyncio.run(through_gateway(eng.urls, eng.names))
+    assert peer == ((True, True) if spec.startswith("sglang") else (False, True))
+    assert ours == peer

@@ -24,7 +24,7 @@ def rng(seed: int = 0) -> np.random.Generator:
 def test_registry_names_match_classes_and_cli_names():
     assert POLICY_NAMES == tuple(PolicyName)
     assert {"round_robin", "least_loaded", "sticky", "hybrid_sticky", "cost_aware",
-            "kv_aware", "random", "prefix_approx", "dynamo", "loadaware", "vllm_cache_aware",
+            "kv_aware", "random", "prefix_approx", "dynamo", "loadaware", "vllm_cache_aware", "sglang_cache_aware",
             "consistent_hash", "weighted", "llmd_precise", "llmd_approx", "llmd_load",
             "blis_queue_depth", "blis_prefix_queue", "blis_default"} == set(POLICY_NAMES)
     for name, cls in POLICIES.items():

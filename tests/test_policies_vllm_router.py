@@ -131,7 +131,7 @@ def test_every_production_router_spec_has_a_counterpart_entry_naming_a_policy():
             assert make_policy(cp, np.random.default_rng(0)).name == cp
     assert counterpart("vllm_router:cache_aware") == "vllm_cache_aware"
     assert counterpart("vllm_router:consistent_hash") == "consistent_hash"
-    assert counterpart("sglang_router:cache_aware") == "vllm_cache_aware"
+    assert counterpart("sglang_router:cache_aware") == "sglang_cache_aware"  # the same rules, its tree learns at routing
     assert counterpart(" vllm_router : round_robin ") == "round_robin"
     assert counterpart("sglang_router:random") == "random"
     assert counterpart("vllm_router:power_of_two") is None
@@ -145,3 +145,30 @@ def test_a_kvroute_policy_has_no_counterpart(spec):
 def test_an_unknown_router_policy_is_an_error_naming_the_valid_ones():
     with pytest.raises(ValueError, match="unknown policy 'sticky' of vllm_router.*vllm_router:consistent_hash"):
         counterpart("vllm_router:sticky")
+
+
+def test_vllm_cache_aware_spreads_chats_that_start_together_and_sglang_piles_them(tmp_path):
+    """Simulated, eight chats sharing a system prompt start within a second: vllm-router's
+    tree learns each decision only when the request finishes, so the first turns spread by
+    load and each chat stays where it began (imbalance near 0); sglang-router's learns at
+    routing and piles them on one worker."""
+    import yaml
+    from click.testing import CliRunner
+
+    from kvroute.cli import main
+
+    path = tmp_path / "e.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "e", "seed": 1, "rounds": 1, "view": "approx",
+        "workload": {"generator": "note2", "params": {"chats": 8, "turns": 4, "system_words": 600, "user_words": 75,
+                                                      "reply_tokens": 32, "ramp_s": 1.0}},
+        "runs": [{"hardware": "cpu", "policies": ["vllm_cache_aware", "sglang_cache_aware"]}]}))
+    res = CliRunner().invoke(main, ["simulate", str(path), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    import pandas as pd
+
+    s = pd.read_csv(tmp_path / "o" / "summary.csv").set_index("policy")
+    assert s.loc["vllm_cache_aware", "imbalance"] < 0.3 < s.loc["sglang_cache_aware", "imbalance"]
+    r = pd.read_parquet(tmp_path / "o" / "requests.parquet")
+    stays = r[r.policy == "vllm_cache_aware"].groupby("conversation").worker.nunique()
+    assert (stays == 1).all()  # each chat keeps its worker

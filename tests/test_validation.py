@@ -39,7 +39,7 @@ def never(_hw: str) -> set[str]:
 
 def test_measured_rows_put_the_counterpart_beside_a_production_router():
     sim = pd.concat([_summary("round_robin", [10, 11, 12], [0.7, 0.7, 0.7]),
-                     _summary("vllm_cache_aware", [8, 8, 8], [0.9, 0.9, 0.9])])
+                     _summary("sglang_cache_aware", [8, 8, 8], [0.9, 0.9, 0.9])])
     meas = pd.concat([_summary("round_robin", [10, 10, 10], [0.7, 0.8, 0.75]),
                       _summary("sglang_router:cache_aware", [9, 10, 11], [0.8, 0.8, 0.8])])
     out = measured_rows(sim, meas, in_sample=never)

@@ -198,7 +198,7 @@ POLICY_NAMES = {
     "round_robin": "round-robin", "least_loaded": "least-loaded", "kv_aware": "KV-aware",
     "cost_aware": "cost-aware", "hybrid_sticky": "hybrid sticky", "prefix_approx": "prefix (SGLang rule)",
     "random": "random", "sticky": "sticky", "dynamo": "Dynamo rule", "loadaware": "load-aware",
-    "vllm_cache_aware": "cache-aware (router rule)", "consistent_hash": "consistent hash", "weighted": "weighted scorers",
+    "vllm_cache_aware": "cache-aware (vllm-router rule)", "sglang_cache_aware": "cache-aware (sglang-router rule)", "consistent_hash": "consistent hash", "weighted": "weighted scorers",
     "llmd_precise": "llm-d precise", "llmd_approx": "llm-d approximate", "llmd_load": "llm-d load",
     "blis_queue_depth": "BLIS queue-depth", "blis_prefix_queue": "BLIS prefix:queue 3:2",
     "blis_default": "BLIS prefix:queue:kv 3:2:2",

@@ -903,6 +903,7 @@ class Gateway:
             kv_capacity_blocks=kv_capacity_blocks,
             kv_block_size=kv_block_size,
         )
+        self.view.record_on_finish = self.policy.index_on_finish
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s or max(0.5, min(5.0, health_interval_s))
         self.connect_timeout_s = connect_timeout_s

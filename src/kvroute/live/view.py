@@ -106,6 +106,7 @@ class Flight:
     running: bool = False
     done: bool = False
     output_tokens: int = 0
+    block_hashes: Sequence[int] | None = None  # recorded in the index when it finishes (index_on_finish)
 
 
 class GatewayView:
@@ -170,6 +171,9 @@ class GatewayView:
         self.decode_step_s = decode_step_s
         self.index = ApproxPrefixIndex(self._workers, block_size, index_capacity_blocks, index_ttl_s)
         self.exact_index = exact_index
+        #: the policy's ``index_on_finish``: the approximate index learns a decision when
+        #: its request finishes, not when it is routed (set by the gateway)
+        self.record_on_finish = False
         if exact_index is not None:
             missing = set(self._workers) - set(exact_index.workers)
             if missing:
@@ -278,7 +282,7 @@ class GatewayView:
         """Record a decision in the approximate index (at the decision's time); the exact
         view learns from the engines instead."""
         self._match_request = None
-        if self.exact_index is None:
+        if self.exact_index is None and not self.record_on_finish:
             self.index.record(worker, request.block_hashes, self.now)
 
     def apply_scrape(self, worker: str, gauges: dict[str, float]) -> None:
@@ -303,7 +307,8 @@ class GatewayView:
         s.waiting_uncached_tokens += uncached
         s.active_blocks += blocks
         s.active_tokens += tokens
-        return Flight(s, request.prompt_tokens, uncached, tokens, blocks)
+        later = request.block_hashes if self.record_on_finish and self.exact_index is None else None
+        return Flight(s, request.prompt_tokens, uncached, tokens, blocks, block_hashes=later)
 
     def first_byte(self, f: Flight) -> None:
         """The worker started answering: the request is running (prefill done)."""
@@ -330,6 +335,8 @@ class GatewayView:
             return
         f.done = True
         s = f.worker
+        if f.block_hashes is not None:
+            self.index.record(s.name, f.block_hashes, self.clock())
         s.in_flight -= 1
         s.finished += 1
         s.output_tokens += f.output_tokens

@@ -30,7 +30,7 @@ from kvroute.policies.kv_aware import KvAwarePolicy
 from kvroute.policies.loadaware import LoadAwarePolicy
 from kvroute.policies.sglang import PrefixApproxPolicy
 from kvroute.policies.sticky import HashRing, HybridStickyPolicy, StickyPolicy
-from kvroute.policies.vllm_router import ConsistentHashPolicy, VllmCacheAwarePolicy
+from kvroute.policies.vllm_router import ConsistentHashPolicy, SglangCacheAwarePolicy, VllmCacheAwarePolicy
 from kvroute.policies.weighted import (
     BlisDefaultPolicy,
     BlisPrefixQueuePolicy,
@@ -56,6 +56,7 @@ class PolicyName(StrEnum):
     DYNAMO = "dynamo"
     LOADAWARE = "loadaware"
     VLLM_CACHE_AWARE = "vllm_cache_aware"
+    SGLANG_CACHE_AWARE = "sglang_cache_aware"
     CONSISTENT_HASH = "consistent_hash"
     WEIGHTED = "weighted"
     LLMD_PRECISE = "llmd_precise"
@@ -79,6 +80,7 @@ POLICIES: Mapping[PolicyName, type[Policy]] = MappingProxyType(
         PolicyName.DYNAMO: DynamoPolicy,
         PolicyName.LOADAWARE: LoadAwarePolicy,
         PolicyName.VLLM_CACHE_AWARE: VllmCacheAwarePolicy,
+        PolicyName.SGLANG_CACHE_AWARE: SglangCacheAwarePolicy,
         PolicyName.CONSISTENT_HASH: ConsistentHashPolicy,
         PolicyName.WEIGHTED: WeightedPolicy,
         PolicyName.LLMD_PRECISE: LlmdPrecisePolicy,
@@ -147,7 +149,7 @@ def make_policy(spec: str, rng: np.random.Generator) -> Policy:
 #: vllm_cache_aware, not prefix_approx (older SGLang source, kept for comparison).
 COUNTERPARTS: Mapping[str, str | None] = MappingProxyType(
     {
-        "sglang_router:cache_aware": PolicyName.VLLM_CACHE_AWARE.value,
+        "sglang_router:cache_aware": PolicyName.SGLANG_CACHE_AWARE.value,
         "sglang_router:round_robin": PolicyName.ROUND_ROBIN.value,
         "sglang_router:random": PolicyName.RANDOM.value,
         "sglang_router:power_of_two": None,
@@ -195,6 +197,7 @@ __all__ = [
     "RoundRobinPolicy",
     "RouteRequest",
     "StickyPolicy",
+    "SglangCacheAwarePolicy",
     "VllmCacheAwarePolicy",
     "WeightedPolicy",
     "counterpart",

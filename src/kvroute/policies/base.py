@@ -165,6 +165,10 @@ class Policy(ABC):
     params: ClassVar[dict[str, tuple[type, object]]] = {}
     #: whether the policy is defined over a router-side approximate index by default
     default_exact: ClassVar[bool] = True
+    #: when the router-side index learns a decision: at routing (False), or only when the
+    #: request finishes (True: vllm-router 0.1.17's tree), so requests routed while it is in
+    #: flight do not see its prefix; the simulator and the gateway both honour it
+    index_on_finish: ClassVar[bool] = False
 
     def __init__(self, rng: np.random.Generator, **kwargs: object) -> None:
         self.rng = rng

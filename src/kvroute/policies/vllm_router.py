@@ -58,10 +58,18 @@ class VllmCacheAwarePolicy(PrefixApproxPolicy):
 
     Defined over a router-side approximate index (``default_exact`` False, inherited).
     The caller records every decision there, including imbalanced ones, as vllm-router
-    does.
+    does, but only when the request has finished (``index_on_finish``): measured on the
+    0.1.17 binary with two emulated workers, a request sent while an earlier one sharing
+    its long system prompt is still streaming does not match it and goes to the other
+    (least-loaded) worker, and one sent after it finished does; sglang-router 0.3.2 matches
+    at once (``tests/test_peers.py``). So chats that start together spread over the
+    workers and then each stays where it began, which is what note 2's CPU rerun measured
+    (imbalance near 0, the sticky policies' hit rate), where a tree updated at routing
+    piles them on one worker.
     """
 
     name: ClassVar[str] = "vllm_cache_aware"
+    index_on_finish: ClassVar[bool] = True
     params: ClassVar[dict[str, tuple[type, object]]] = {
         "cache_threshold": (float, 0.3),
         "balance_abs_threshold": (int, 64),
@@ -71,6 +79,17 @@ class VllmCacheAwarePolicy(PrefixApproxPolicy):
     def low_match_worker(self, up: list[str], load: dict[str, int], view: ClusterView) -> str:
         """Rule 3, below the cache threshold: the least-loaded worker (ties -> lowest index)."""
         return min(up, key=load.__getitem__)
+
+
+class SglangCacheAwarePolicy(VllmCacheAwarePolicy):
+    """sglang-router 0.3.2 ``cache_aware``: vllm-router's rules (a miss goes to the least
+    loaded, checked against both binaries in ``tests/test_peers.py``), with the tree
+    learning a request's text when it is routed, not when it finishes: a request sent
+    while an earlier one sharing its prefix still streams goes where that one went.
+    Defaults: sglang-router's command line, the same as vllm-router's."""
+
+    name: ClassVar[str] = "sglang_cache_aware"
+    index_on_finish: ClassVar[bool] = False
 
 
 class ConsistentHashPolicy(StickyPolicy):

@@ -117,6 +117,7 @@ class Pending:
     worker: int
     arrival_s: float
     done: simpy.Event
+    block_hashes: list[int] | None = None  # recorded in the approximate index when it finishes
 
 
 #: From this many workers on, the exact view answers from a cluster-wide holders index
@@ -348,12 +349,16 @@ class SimCluster:
         self.view.forget_request()
         i = self.worker_index[worker]
         self.sessions[conv.id] = worker
+        later = None
         if not self.view.exact:  # the exact view reads the engines; no index to keep
-            self.index.record(worker, req.block_hashes, env.now)
+            if self.policy.index_on_finish:
+                later = req.block_hashes  # the index learns the decision when the request ends
+            else:
+                self.index.record(worker, req.block_hashes, env.now)
         self.in_flight[i] += 1
         self.in_transit_tokens[i] += prompt
         done = env.event()
-        self.pending[rid] = Pending(conv, turn, i, env.now, done)
+        self.pending[rid] = Pending(conv, turn, i, env.now, done, later)
         ereq = EngineRequest(rid, prompt, output, hashes)
         api = env.timeout(self.api_delay_s[index][turn])
         api.callbacks.append(lambda _ev: self._deliver(i, ereq))  # cheaper than a process
@@ -369,6 +374,8 @@ class SimCluster:
     def finished(self, driver: WorkerDriver, r: EngineRequest) -> None:
         p = self.pending.pop(r.rid)
         self.in_flight[p.worker] -= 1
+        if p.block_hashes is not None:
+            self.index.record(self.workers[p.worker], p.block_hashes, self.env.now)
         self.rows.append(
             {
                 "conversation": p.conversation.id,
