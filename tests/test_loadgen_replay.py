@@ -145,6 +145,21 @@ def test_request_limit_takes_the_first_by_arrival_and_implicit_replay_is_refused
         run(replay(trace, "http://127.0.0.1:1", model="m", explicit_api="raw"))
 
 
+def test_explicit_prompts_in_a_closed_loop_wait_for_the_previous_reply():
+    """Outside replay mode an explicit turn is paced like any other (after the previous
+    reply plus think time), and still sent as its own blocks, without history."""
+    conv = Conversation("x", "", 0, (Turn(40, 30, 0.0, None, (0, 1)), Turn(70, 4, 0.05, None, (0, 1, 2))))
+    trace = Trace("closed-explicit", "closed", (conv,), 1, {}, BLOCK).validate()
+
+    async def main():
+        async with await start_emulator("cpu", 0, time_scale=0.2) as emu:
+            return await replay(trace, emu.url, progress_every_s=None)
+
+    first, second = run(main())
+    assert (first["prompt_tokens"], second["prompt_tokens"]) == (40, 70)  # no history, no template
+    assert second["arrival_s"] >= first["finish_s"] + 0.05
+
+
 def test_failed_requests_are_rows_labelled_with_the_scaling(tmp_path):
     trace = explicit_trace(SHARING)
     (port,) = free_ports(1)  # nothing listens here

@@ -267,9 +267,7 @@ class Replayer:
                     return
                 if not self._may_send():
                     return
-                data, path, expected = self._explicit_request(turn)
-                row, _ = await self._request(conv, k, endpoint, data, path, expected)
-                self.rows.append(row)
+                await self._explicit_turn(index, conv, k)
             return
         messages: list[dict] = []
         if conv.system_tokens > 0:
