@@ -34,6 +34,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -298,6 +299,98 @@ def test_window_speedup_and_limit(requests):
         with pytest.raises(mc.ParameterError, match=key) as info:
             mc.convert(reqs, "conversation", **bad)
         assert info.value.key == key
+
+
+# --- scaling ---------------------------------------------------------------------------
+
+
+def turns_by_time(trace):
+    """The turns in arrival order, ties by their ids (so the file's requests sort alike)."""
+    return sorted((t for c in trace.conversations for t in c.turns), key=lambda t: (t.arrival_s, t.hash_ids))
+
+
+def by_time(reqs):
+    return sorted(reqs, key=lambda r: (r.timestamp_ms, r.hash_ids))
+
+
+def test_token_scale_divides_every_length_and_keeps_one_id_per_block(requests):
+    reqs = requests["conversation"]
+    inside = by_time(r for r in reqs if r.timestamp_ms < 120_000)
+    trace = mc.convert(reqs, "conversation", duration_s=120, token_scale=16)
+    assert trace.block_tokens == 32 and trace.meta["block_tokens"] == 32
+    turns = turns_by_time(trace)
+    assert [t.hash_ids for t in turns] == [r.hash_ids for r in inside]  # validate() checked ceil(n / 32) ids each
+    assert [t.user_tokens for t in turns] == [-(-r.input_length // 16) for r in inside]
+    assert [t.output_tokens for t in turns] == [-(-r.output_length // 16) for r in inside]
+    # the same sharing, a sixteenth of the tokens: the reuse bound barely moves (ceil rounding)
+    plain = mc.convert(reqs, "conversation", duration_s=120).meta["stats"]
+    assert trace.meta["stats"]["prefix_reuse_bound"] == pytest.approx(plain["prefix_reuse_bound"], abs=0.002)
+    assert trace.meta["scaling"] == "tokens/16,time x1,window 0-120s"
+    assert mc.convert(reqs, "conversation").meta["scaling"] == "tokens/1,time x1,window 0s-end"
+
+
+def test_clipped_prompts_keep_their_leading_blocks_and_replies_are_capped(requests):
+    reqs = requests["conversation"]
+    inside = by_time(r for r in reqs if r.timestamp_ms < 120_000)
+    trace = mc.convert(reqs, "conversation", duration_s=120, token_scale=16, max_input_tokens=1000, max_output_tokens=20)
+    turns = turns_by_time(trace)
+    for t, r in zip(turns, inside):
+        n = -(-r.input_length // 16)
+        assert t.user_tokens == min(n, 1000) and t.output_tokens == min(-(-r.output_length // 16), 20)
+        assert t.hash_ids == r.hash_ids[: -(-t.user_tokens // 32)]  # a prefix of the prompt: sharing kept
+    st = trace.meta["stats"]
+    assert st["truncated_prompts"] == sum(-(-r.input_length // 16) > 1000 for r in inside) > 0
+    assert st["clipped_replies"] == sum(-(-r.output_length // 16) > 20 for r in inside) > 0
+    assert trace.meta["scaling"] == "tokens/16,input<=1000,output<=20,time x1,window 0-120s"
+
+
+def test_session_fraction_keeps_whole_sessions_nested(requests):
+    reqs = requests["conversation"]
+    full = mc.convert(reqs, "conversation", duration_s=600)
+    tenth = mc.convert(reqs, "conversation", duration_s=600, session_fraction=0.1)
+    twentieth = mc.convert(reqs, "conversation", duration_s=600, session_fraction=0.05)
+    whole = {c.id: c for c in full.conversations}
+    assert all(c == whole[c.id] for c in tenth.conversations)  # every kept session with all its turns
+    assert {c.id for c in twentieth.conversations} < {c.id for c in tenth.conversations}
+    assert 0.07 < len(tenth.conversations) / len(full.conversations) < 0.13
+    kept = mc.convert(reqs, "conversation", duration_s=600, session_fraction=0.1, max_requests=50)
+    assert kept.num_requests == 50 and {c.id for c in kept.conversations} <= {c.id for c in tenth.conversations}
+    assert kept.meta["scaling"] == "tokens/1,time x1,window 0-600s,sessions 0.1,first 50"
+
+
+@pytest.mark.parametrize(("bad", "key"), [
+    ({"token_scale": 3}, "token_scale"), ({"token_scale": 0}, "token_scale"), ({"token_scale": 1024}, "token_scale"),
+    ({"max_input_tokens": 0}, "max_input_tokens"), ({"max_output_tokens": 1.5}, "max_output_tokens"),
+    ({"session_fraction": 0}, "session_fraction"), ({"session_fraction": 1.5}, "session_fraction"),
+])
+def test_bad_scale_parameters_are_named(requests, tmp_path, bad, key):
+    with pytest.raises(mc.ParameterError, match=key) as info:
+        mc.convert(requests["synthetic"], "synthetic", **bad)
+    assert info.value.key == key
+    with pytest.raises(ExperimentError, match=rf"key workload\.params\.{key}: "):
+        load_experiment(experiment(tmp_path, {"name": "synthetic", **bad}))
+
+
+def test_the_cpu_replay_experiment_fits_the_cpu_engines_and_simulates_labelled(tmp_path):
+    """config/experiments/mooncake-cpu.yaml: what `kvroute measure --hardware cpu` replays
+    live, and the simulator replays the same scaled trace, every record labelled."""
+    from kvroute.live.engines import CPU_MAX_MODEL_LEN
+    from kvroute.sim.run import load_trace, simulate_experiment
+
+    exp = load_experiment(ROOT / "config/experiments/mooncake-cpu.yaml")
+    assert exp.view == "approx" and [(r.hardware, r.policy) for r in exp.expand()] == [
+        ("cpu", "kv_aware"), ("cpu", "round_robin")]
+    trace = load_trace(exp, 0)
+    turns = [t for c in trace.conversations for t in c.turns]
+    assert max(t.user_tokens + t.output_tokens for t in turns) <= CPU_MAX_MODEL_LEN
+    assert 100 <= len(turns) <= 300 and max(t.arrival_s for t in turns) <= 120  # one replay in about 1-2 minutes
+    assert trace.meta["stats"]["session_reuse"] > 0.2  # the sessions' reuse survives the scaling
+    label = trace.meta["scaling"]
+    assert label.startswith("tokens/16,") and "sessions 0.1" in label
+    summary = simulate_experiment(exp, tmp_path / "sim")
+    df = pd.read_parquet(tmp_path / "sim/requests.parquet")
+    assert (df.scaling == label).all() and len(df) == 2 * len(turns)
+    assert (summary.scaling == label).all()
 
 
 def test_converted_trace_round_trips_through_parquet(tmp_path, requests):

@@ -20,6 +20,13 @@ def _load_cols(summary) -> list[str]:
     return ["load"] if "load" in summary and summary["load"].notna().any() else []
 
 
+def _echo_scaling(summary) -> None:
+    """Say how a recorded trace was scaled (the summary's ``scaling``), where it was."""
+    if "scaling" in summary:
+        for label in summary["scaling"].dropna().unique():
+            click.echo(f"trace scaled: {label}")
+
+
 @click.command()
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--hardware", required=True, help="Hardware profile whose workers to start (cpu here).")
@@ -50,6 +57,7 @@ def measure(experiment: Path, hardware: str, out: Path, policies: tuple[str, ...
         raise click.ClickException(str(exc)) from exc
     cols = ["hardware", "policy", "round", *_load_cols(summary), "requests", "errors", "later_ttft_mean_ms", "hit_rate", "imbalance"]
     click.echo(summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    _echo_scaling(summary)
 
 
 class LazyGroup(click.Group):
@@ -105,6 +113,7 @@ def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int
         raise click.ClickException(str(exc)) from exc
     cols = ["hardware", "policy", "round", *_load_cols(summary), "time_to_complete_s", "later_ttft_mean_ms", "hit_rate", "imbalance"]
     click.echo(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    _echo_scaling(summary)
 
 
 

@@ -3,7 +3,8 @@
 ``requests.parquet`` holds one row per request (turn); ``summary.csv`` one row per
 (experiment, hardware, policy, round), and per load where the experiment has a load
 axis (``load_param`` names the workload parameter swept, ``load`` its value; both are
-empty without one). Both worlds write them through this module, so notebooks compare
+empty without one). ``scaling`` says how a recorded trace was scaled down to the engines
+(token and time scale, window; empty for a generated workload), in requests and summary. Both worlds write them through this module, so notebooks compare
 them without adapters. See DESIGN.md for the contract.
 
 Imbalance is the coefficient of variation (population std / mean) of per-worker
@@ -52,6 +53,9 @@ REQUEST_COLUMNS: dict[str, pa.DataType] = {
     "preemptions": pa.int32(),
     "load_param": pa.string(),  # the load axis's workload parameter (rate_per_s, chats...); null without one
     "load": pa.float64(),  # its value for this run; null without a load axis
+    # how a recorded trace was scaled to the engines (mooncake.scaling_label: "tokens/16,time x6,window 0-600s");
+    # null for a generated workload
+    "scaling": pa.string(),
 }
 
 #: what the ``workers`` of :func:`summarize` are keyed by (a run's workers do not depend on its load)
@@ -114,7 +118,8 @@ def imbalance(work_by_worker: Sequence[float]) -> float:
 def summarize(df: pd.DataFrame, workers: dict[tuple, Sequence[str]] | None = None) -> pd.DataFrame:
     """One summary row per run: (experiment, hardware, policy, round) and load.
 
-    Columns: the keys, ``load_param`` and ``load`` (empty without a load axis), then the
+    Columns: the keys, ``load_param`` and ``load`` (empty without a load axis),
+    ``scaling`` (the records' labels, joined by ``;``; empty where they have none), then the
     metrics.
 
     Args:
@@ -137,6 +142,8 @@ def summarize(df: pd.DataFrame, workers: dict[tuple, Sequence[str]] | None = Non
         row = dict(zip(SUMMARY_KEYS, key))
         params = g["load_param"].dropna().unique()
         row.update(load_param=",".join(sorted(params)) if len(params) else None, load=run["load"])
+        scalings = g["scaling"].dropna().unique() if "scaling" in g else ()
+        row["scaling"] = ";".join(sorted(scalings)) if len(scalings) else None  # labels hold commas
         row.update(
             source=",".join(sorted(g["source"].unique())),
             requests=len(g),

@@ -6,7 +6,8 @@ production router's measured row is predicted by its kvroute counterpart
 (:func:`kvroute.policies.counterpart`). ``published.csv`` puts each published figure of
 the notes (``paper/reported/*.csv``) beside its prediction. Like for like: a simulated
 and a measured row stand side by side only when both routed with the same view and load
-signal (the records' ``view`` and ``load_signal`` columns); a mismatch is an error naming both.
+signal (the records' ``view`` and ``load_signal`` columns), and on a trace scaled alike
+(``scaling``: a recorded trace scaled to the engines); a mismatch is an error naming both.
 
 Columns: ``experiment, hardware, policy, metric, predicted, measured, measured_lo,
 measured_hi, rel_error, in_sample``. ``measured`` is the mean over rounds (or the
@@ -101,6 +102,7 @@ def measured_rows(
         from kvroute.policies import counterpart
     sim_view, meas_view = _views(sim_requests), _views(measured_requests)
     sim_signal, meas_signal = _views(sim_requests, "load_signal"), _views(measured_requests, "load_signal")
+    sim_scale, meas_scale = _views(sim_requests, "scaling"), _views(measured_requests, "scaling")
     rows = []
     for (exp, hw, pol), m in measured.groupby(["experiment", "hardware", "policy"], sort=True):
         sim_pol = counterpart(pol) or pol
@@ -115,6 +117,10 @@ def measured_rows(
         if ml and sl and ml != "peer" and ml != sl:
             raise ValidationError(f"{exp} on {hw}: {pol} was measured with load_signal {ml!r} but simulated "
                                   f"({sim_pol}) with {sl!r}; both read the experiment's `load_signal`")
+        mc, sc = meas_scale.get((exp, hw, pol)), sim_scale.get((exp, hw, sim_pol))
+        if mc and sc and mc != sc:
+            raise ValidationError(f"{exp} on {hw}: {pol} was measured on a trace scaled {mc!r} but simulated "
+                                  f"({sim_pol}) on one scaled {sc!r}; compare like with like")
         fitted = exp in in_sample(hw)
         for metric in METRICS:
             if metric not in m or metric not in s:

@@ -12,8 +12,21 @@ Modes (the trace's ``mode``, as the simulator replays it):
   previous reply has ended plus the turn's ``think_s``; when a chat ends the slot takes
   the next conversation of the trace, not before its ``arrival_s``.
 * open: conversation ``c`` sends turn 0 at ``c.arrival_s``; later turns as above.
+* replay (a recorded trace, Mooncake's): every turn is sent at its own ``arrival_s``,
+  open loop, whether or not its conversation's previous reply has ended.
 
-A turn's prompt is the system prompt (if the trace has one) + every earlier user and
+A turn with ``hash_ids`` (an explicit prompt, as replay traces have) is sent as it is,
+without history: by default a completions request (``explicit_api="completions"``,
+POST /v1/completions) whose prompt is :func:`kvroute.live.text.explicit_prompt`, one
+chunk of the id's own words per hash id, so equal leading ids are equal leading tokens
+on the engine, and no chat template comes before them: the engine sees the trace's
+blocks at the trace's offsets, as the simulator hashes them. ``explicit_api="chat"``
+sends the same text as a single user message instead (the template's tokens then
+precede it, the same for every request, so prefix equality is kept; the blocks are
+shifted by them). A replay trace whose turns build their prompts from history is refused:
+its later prompts would need replies that may not have come yet.
+
+Otherwise a turn's prompt is the system prompt (if the trace has one) + every earlier user and
 assistant message + the new user message, with text from :mod:`kvroute.live.text` of
 exactly the trace's token counts (so the emulator sees the trace's sizes plus the chat
 template's 3 tokens a message and 2 for the reply's head). The assistant messages are
@@ -57,11 +70,14 @@ import pandas as pd
 from kvroute.live import metrics as engine_metrics
 from kvroute.live import text
 from kvroute.records import REQUEST_COLUMNS, requests_table, summarize, write_atomic, write_csv, write_requests
-from kvroute.workload.trace import Conversation, Trace
+from kvroute.workload.trace import Conversation, Trace, Turn
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("live", "emulated")
+#: how an explicit prompt (``hash_ids``) is sent: a raw completions prompt or one user message
+EXPLICIT_APIS = ("completions", "chat")
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 SESSION_HEADER = "X-Session-ID"
 WORKER_HEADER = "X-Worker"
 #: body field naming the serving worker (kvroute's emulator sets it in every completion and
@@ -113,6 +129,7 @@ class Replayer:
         stream: bool,
         progress_every_s: float | None,
         worker_field: str | None = None,
+        explicit_api: str = "completions",
     ):
         self.trace = trace
         self.endpoints = endpoints
@@ -125,6 +142,7 @@ class Replayer:
         self.stream = stream
         self.progress_every_s = progress_every_s
         self.worker_field = worker_field
+        self.explicit_api = explicit_api
         self.rows: list[dict] = []
         self.sent = 0
         self.in_flight = 0
@@ -183,6 +201,8 @@ class Replayer:
                 queue = deque(convs)
                 slots = min(self.trace.concurrency or len(convs), len(convs))
                 await asyncio.gather(*(self._closed_slot(queue) for _ in range(slots)))
+            elif self.trace.mode == "replay":
+                await self._replay(convs)
             else:
                 await asyncio.gather(*(self._open_conversation(i, c) for i, c in convs))
         finally:
@@ -202,8 +222,53 @@ class Replayer:
         if await self._sleep_until(conv.arrival_s):
             await self._conversation(index, conv)
 
+    async def _replay(self, convs: list[tuple[int, Conversation]]) -> None:
+        """Replay mode: each turn at its own ``arrival_s`` in (time, conversation, turn)
+        order, each in a task of its own (open loop: no turn waits for a reply); the
+        first ``max_requests`` of that order are sent."""
+        order = sorted((t.arrival_s, i, k) for i, c in convs for k, t in enumerate(c.turns))
+        tasks: list[asyncio.Task] = []
+        try:
+            for n, (at, i, k) in enumerate(order):
+                if self.max_requests is not None and n >= self.max_requests:
+                    break
+                if not await self._sleep_until(at):
+                    break
+                tasks.append(asyncio.create_task(self._explicit_turn(i, convs[i][1], k)))
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:  # only when the run itself was cancelled
+                t.cancel()
+
+    def _endpoint(self, index: int) -> str:
+        return self.endpoints[index % len(self.endpoints)]
+
+    async def _explicit_turn(self, index: int, conv: Conversation, k: int) -> None:
+        """Send turn ``k``'s explicit prompt (``hash_ids``) as it is, without history."""
+        turn = conv.turns[k]
+        data, path, expected = self._explicit_request(turn)
+        row, _ = await self._request(conv, k, self._endpoint(index), data, path, expected)
+        self.rows.append(row)
+
+    def _explicit_request(self, turn: Turn) -> tuple[bytes, str, int]:
+        """Body, path and expected prompt tokens (here and on the tiny model) of an explicit turn."""
+        prompt = text.explicit_prompt(turn.hash_ids, turn.user_tokens, self.trace.block_tokens)
+        if self.explicit_api == "completions":
+            return self._completion_body(prompt, turn.output_tokens), COMPLETIONS_PATH, turn.user_tokens
+        messages = [{"role": "user", "content": prompt}]
+        return self._chat_body(messages, turn.output_tokens), CHAT_PATH, text.chat_prompt_tokens(turn.user_tokens, 1)
+
     async def _conversation(self, index: int, conv: Conversation) -> None:
-        endpoint = self.endpoints[index % len(self.endpoints)]
+        endpoint = self._endpoint(index)
+        if conv.turns[0].explicit:  # prompts as blocks: each turn sent as it is, paced as the mode says
+            for k, turn in enumerate(conv.turns):
+                if k and turn.think_s > 0 and not await self._sleep_until(self.now() + turn.think_s):
+                    return
+                if not self._may_send():
+                    return
+                await self._explicit_turn(index, conv, k)
+            return
         messages: list[dict] = []
         if conv.system_tokens > 0:
             messages.append({"role": "system", "content": text.system_text(conv.system_id, conv.system_tokens)})
@@ -216,7 +281,8 @@ class Replayer:
             messages.append({"role": "user", "content": text.user_text(conv.id, k, turn.user_tokens)})
             content_tokens += turn.user_tokens
             expected_prompt = text.chat_prompt_tokens(content_tokens, len(messages))
-            row, reply = await self._request(conv, k, endpoint, messages, turn.output_tokens, expected_prompt)
+            data = self._chat_body(messages, turn.output_tokens)
+            row, reply = await self._request(conv, k, endpoint, data, CHAT_PATH, expected_prompt)
             self.rows.append(row)
             if row["status"] != "ok" or not reply.strip():
                 reply = text.placeholder_reply(conv.id, k, turn.output_tokens)
@@ -224,22 +290,26 @@ class Replayer:
             content_tokens += turn.output_tokens
 
     # -- one request ------------------------------------------------------------------------
-    def _body(self, messages: list[dict], max_tokens: int) -> bytes:
-        body: dict = {"messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
-                      "stream": self.stream}
+    def _body(self, body: dict, max_tokens: int) -> bytes:
+        body.update(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, stream=self.stream)
         if self.model:
             body["model"] = self.model
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         return json.dumps(body).encode()
 
-    async def _request(self, conv: Conversation, turn: int, endpoint: str, messages: list[dict],
-                       max_tokens: int, expected_prompt: int) -> tuple[dict, str]:
+    def _chat_body(self, messages: list[dict], max_tokens: int) -> bytes:
+        return self._body({"messages": messages}, max_tokens)
+
+    def _completion_body(self, prompt: str, max_tokens: int) -> bytes:
+        return self._body({"prompt": prompt}, max_tokens)
+
+    async def _request(self, conv: Conversation, turn: int, endpoint: str, data: bytes, path: str,
+                       expected_prompt: int) -> tuple[dict, str]:
         headers = {"Content-Type": "application/json"}
         if self.session_header:
             headers[self.session_header] = conv.id
-        data = self._body(messages, max_tokens)
-        url = endpoint + "/v1/chat/completions"
+        url = endpoint + path
         self.sent += 1
         self.in_flight += 1
         o = _Outcome()
@@ -336,7 +406,8 @@ class Replayer:
     async def _read_json(self, resp: aiohttp.ClientResponse, o: _Outcome) -> None:
         try:
             body = await resp.json(content_type=None)
-            content = body["choices"][0]["message"]["content"] or ""
+            choice = body["choices"][0]
+            content = (choice["message"]["content"] if "message" in choice else choice["text"]) or ""
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             o.status, o.error = "error:stream", f"malformed reply: {exc}"
             return
@@ -398,11 +469,13 @@ async def replay(
     warm_connections: bool = True,
     session: aiohttp.ClientSession | None = None,
     worker_field: str | None = None,
+    explicit_api: str = "completions",
 ) -> list[dict]:
     """Replay ``trace`` and return one row per request sent, ordered by send time.
 
     Args:
-        trace: the workload (its ``mode`` and ``concurrency`` decide the pacing).
+        trace: the workload (its ``mode`` and ``concurrency`` decide the pacing; replay
+            mode sends every turn at its own ``arrival_s``).
         endpoint_url: base URL (``http://host:port``) of a gateway or engine; with
             several, conversation ``i`` of the trace goes to ``endpoint_url[i % n]``.
         model: model name to ask for; default the first of GET /v1/models, else none.
@@ -421,6 +494,9 @@ async def replay(
         worker_field: a reply-body field naming the worker (``kvroute_worker``, which
             the emulator sets), read when no ``X-Worker`` header came back: behind a
             production router, which drops that header (default: not read).
+        explicit_api: how a turn with ``hash_ids`` is sent: ``completions`` (a raw
+            prompt, no chat template: the engine sees the trace's blocks as the
+            simulator does) or ``chat`` (one user message).
     Returns:
         rows with ``conversation``, ``turn``, ``worker`` (the ``X-Worker`` response
         header, else the reply body's ``worker_field``, else the endpoint URL),
@@ -430,11 +506,14 @@ async def replay(
         ``status`` and ``error`` (a message; empty when ok).
     """
     trace.validate()
-    if trace.mode == "replay" or trace.explicit:
+    if trace.mode == "replay" and not all(c.turns[0].explicit for c in trace.conversations):
         raise ValueError(
-            f"trace {trace.name!r} is a recorded trace (mode {trace.mode!r}, prompts as hash_ids): "
-            "the live load generator does not replay those yet (issue 14's live replay); simulate it"
+            f"trace {trace.name!r}: replay mode sends every turn at its own time, so a prompt built from "
+            "the conversation's history would need replies that may not have come yet; the live load "
+            "generator replays recorded traces whose turns carry their prompts (hash_ids)"
         )
+    if explicit_api not in EXPLICIT_APIS:
+        raise ValueError(f"explicit_api must be one of {', '.join(EXPLICIT_APIS)}, got {explicit_api!r}")
     if max_requests is not None and max_requests < 0:
         raise ValueError(f"max_requests must be >= 0, got {max_requests}")
     if time_limit_s is not None and not time_limit_s > 0:
@@ -449,7 +528,8 @@ async def replay(
                 log.warning("%s/v1/models names no model: requests go without one", endpoints[0])
         r = Replayer(trace, endpoints, sess, model=model, session_header=session_header,
                      max_requests=max_requests, time_limit_s=time_limit_s, request_timeout_s=request_timeout_s,
-                     stream=stream, progress_every_s=progress_every_s, worker_field=worker_field)
+                     stream=stream, progress_every_s=progress_every_s, worker_field=worker_field,
+                     explicit_api=explicit_api)
         if warm_connections:
             n = trace.concurrency if trace.mode == "closed" else len(trace.conversations)
             n = -(-min(n, max_requests if max_requests is not None else n) // len(endpoints))
@@ -538,18 +618,21 @@ def records_for(
     load_signal: str | None = None,
     load_param: str | None = None,
     load: float | None = None,
+    scaling: str | None = None,
 ) -> list[dict]:
     """Rows of :func:`replay` as :mod:`kvroute.records` rows.
 
     Args:
         source: ``live`` against real engines, ``emulated`` against the emulator
             (the caller knows which it started).
+        scaling: how the trace was scaled to the engines (its ``meta["scaling"]``),
+            written into every row, error rows included.
     """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {', '.join(SOURCES)} for a measurement, got {source!r}")
     common = {"source": source, "experiment": experiment, "hardware": hardware, "policy": policy,
               "round": int(round), "seed": seed, "view": view,
-              "load_signal": load_signal, "load_param": load_param, "load": load}
+              "load_signal": load_signal, "load_param": load_param, "load": load, "scaling": scaling}
     out = []
     for r in rows:
         rec = {**common, **{k: r.get(k) for k in REQUEST_COLUMNS if k in r}}
@@ -607,7 +690,7 @@ def loadgen(trace_path: Path, endpoints: tuple[str, ...], out: Path, source: str
                                   max_requests=max_requests, time_limit_s=time_limit,
                                   request_timeout_s=request_timeout))
     recs = records_for(result.rows, source=source, experiment=experiment, hardware=hardware, policy=policy,
-                       round=round_)
+                       round=round_, scaling=trace.meta.get("scaling"))
     extra = {"metrics_before": result.metrics_before, "metrics_after": result.metrics_after,
              "deltas": result.deltas, "cross_check": result.cross_check(), "wall_s": result.wall_s}
     summary = write_results(recs, out, extra=extra)

@@ -205,7 +205,8 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
             records += records_for(result.rows, source=source, experiment=exp.name, hardware=hardware,
                                    policy=run.policy, round=run.round, seed=trace_seed(exp.seed, run.round),
                                    view=PEER_VIEW if peer else "exact" if kv_events else "approx",
-                                   load_signal=PEER_VIEW if peer else signal.label, **load_columns(exp, run))
+                                   load_signal=PEER_VIEW if peer else signal.label, **load_columns(exp, run),
+                                   scaling=trace.meta.get("scaling"))
             workers[(exp.name, hardware, run.policy, run.round)] = list(engines.names)
             key = _run_label(run.policy, run.round, run.load)
             client_cpu[key] = round(time.process_time() - cpu0, 3)

@@ -27,10 +27,20 @@ system-prompt id, or ``conversation id + turn``), so equal keys give equal text 
 every process and Python version, and different keys share no blocks. On a real
 engine the words are real text for its tokenizer, which may split a word into several
 tokens: the records then carry the engine's own counts (from ``usage``).
+
+Explicit prompts (a recorded trace's ``hash_ids``, :func:`explicit_prompt`): one chunk
+per id, the id's own words (:func:`block_text`), each word after a space. SHAKE-256's
+output for a shorter length is a prefix of a longer one's, so a partial last block is a
+prefix of its id's full block; and every chunk boundary is a space before a word, where
+any GPT-style pre-tokenizer (Qwen2's byte-level BPE included) starts a new token, so
+prompts whose first k ids agree agree in their first k chunks' tokens on the engine
+too. Here, and in the tiny model's tokenizer (every vocabulary word after a space is
+one token), a prompt of ``n`` trace tokens is exactly ``n`` tokens.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import zlib
@@ -169,6 +179,33 @@ def system_text(system_id: str, n: int) -> str:
 def user_text(conversation: str, turn: int, n: int) -> str:
     """Turn ``turn``'s user message of ``conversation``."""
     return words(f"user:{conversation}:{turn}", n)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _block_words(hash_id: int, block_tokens: int) -> tuple[str, ...]:
+    return tuple(VOCAB[i] for i in word_indices(f"block:{hash_id}", block_tokens))
+
+
+def block_text(hash_id: int, n: int, block_tokens: int | None = None) -> str:
+    """The first ``n`` words of hash id ``hash_id``'s block (of ``block_tokens`` words,
+    default ``n``), each after a space: the same text for the same id in every prompt,
+    a partial block a prefix of the full one."""
+    if n <= 0:
+        return ""
+    full = _block_words(hash_id, max(n, block_tokens or n))
+    return "".join(" " + w for w in full[:n])
+
+
+def explicit_prompt(hash_ids: Sequence[int], n_tokens: int, block_tokens: int) -> str:
+    """The text of a prompt given as blocks: ``block_tokens`` words per id, the last
+    block cut to the ``n_tokens`` left (``len(hash_ids) == ceil(n_tokens / block_tokens)``).
+    ``n_tokens`` tokens in this module's tokenizer and the tiny model's."""
+    if len(hash_ids) != -(-n_tokens // block_tokens):
+        raise ValueError(f"{len(hash_ids)} hash_ids for {n_tokens} tokens of {block_tokens}-token blocks; "
+                         f"expected {-(-n_tokens // block_tokens)}")
+    last = n_tokens - block_tokens * (len(hash_ids) - 1)
+    return "".join(block_text(h, block_tokens if j < len(hash_ids) - 1 else last, block_tokens)
+                   for j, h in enumerate(hash_ids))
 
 
 def placeholder_reply(conversation: str, turn: int, n: int) -> str:

@@ -124,6 +124,7 @@ def simulate_run(exp: Experiment, run: Run, trace: Trace, coefficients: Path | N
         "source": "sim", "experiment": run.experiment, "hardware": run.hardware,
         "policy": run.policy, "round": run.round, "view": "exact" if exact else "approx",
         "load_signal": exp.load_signal.label, "seed": seed, **load_columns(exp, run),
+        "scaling": trace.meta.get("scaling"),
     }
     rows = [{**common, **r} for r in sorted(rows, key=lambda r: (r["arrival_s"], r["conversation"], r["turn"]))]
     sim_s = max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows) if rows else 0.0

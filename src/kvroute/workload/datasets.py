@@ -23,7 +23,9 @@ ParameterError = mooncake.ParameterError
 
 def _check_mooncake(params: dict[str, Any]) -> None:
     p = {**dataset_params("mooncake"), **params}
-    mooncake.check_params(p["speedup"], p["start_s"], p["duration_s"], p["max_requests"], p["name"])
+    mooncake.check_params(p["speedup"], p["start_s"], p["duration_s"], p["max_requests"], p["name"],
+                          token_scale=p["token_scale"], max_input_tokens=p["max_input_tokens"],
+                          max_output_tokens=p["max_output_tokens"], session_fraction=p["session_fraction"])
 
 
 #: name -> (converter, parameter check)

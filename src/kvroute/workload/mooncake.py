@@ -20,6 +20,15 @@ divided by a speed-up factor, within a window of the file. Sessions are not in t
 trace; :func:`infer_sessions` infers them (the rule is in its docstring and in
 docs/workloads.md, "Mooncake"), and each session is one conversation of the trace,
 so session-affine policies see it as a chat.
+
+Scaling, for engines that cannot serve the trace as it is (this machine's CPU workers):
+``token_scale`` divides every length (512-token blocks become ``512 / token_scale``),
+``max_input_tokens`` and ``max_output_tokens`` clip the scaled prompts (to their leading
+blocks, so prefixes stay prefixes) and replies, ``session_fraction`` keeps a fixed share
+of the sessions (whole sessions, so their reuse is kept), and the speed-up and window
+scale time. It is part of the conversion, so the simulator and the load generator
+replay the same scaled trace; ``meta["scaling"]`` says what was done
+(:func:`scaling_label`), and every record of a run carries it (column ``scaling``).
 """
 
 from __future__ import annotations
@@ -366,12 +375,60 @@ def _shared_tokens(a: Request, b: Request, block_tokens: int) -> int:
 
 
 def _window(requests: Sequence[Request], start_s: float, duration_s: float | None,
-            max_requests: int | None) -> list[int]:
-    """Indices of the requests in ``[start_s, start_s + duration_s)`` (trace seconds), at most ``max_requests``."""
+            max_requests: int | None, session: Sequence[int] | None = None, session_fraction: float = 1.0) -> list[int]:
+    """Indices of the requests in ``[start_s, start_s + duration_s)`` (trace seconds) whose
+    session is kept (:func:`session_kept`), at most ``max_requests``."""
     lo = start_s * 1000.0
     hi = math.inf if duration_s is None else (start_s + duration_s) * 1000.0
     picked = [i for i, r in enumerate(requests) if lo <= r.timestamp_ms < hi]
+    if session_fraction < 1:
+        picked = [i for i in picked if session_kept(session[i], session_fraction)]
     return picked if max_requests is None else picked[:max_requests]
+
+
+def session_kept(session: int, fraction: float) -> bool:
+    """Whether ``session_fraction`` keeps the session whose first request is ``session``:
+    the first 8 bytes of SHA-256 of its index, as a number in [0, 1), below ``fraction``.
+    Fixed by the index alone (no seed: every round, and both worlds, keep the same
+    sessions), nested (a smaller fraction keeps a subset) and independent of the window."""
+    u = int.from_bytes(hashlib.sha256(f"mooncake-session:{session}".encode()).digest()[:8], "big") / 2.0**64
+    return u < fraction
+
+
+def scale_request(r: Request, token_scale: int = 1, max_input_tokens: int | None = None,
+                  max_output_tokens: int | None = None) -> Request:
+    """``r`` in scaled tokens: lengths ``ceil(length / token_scale)`` (at least 1), the
+    prompt cut to its first ``max_input_tokens`` tokens and its ids to the blocks those
+    cover, the reply to ``max_output_tokens``. With ``B = 512 / token_scale`` tokens a
+    block, ``ceil(ceil(n / s) / B) == ceil(n / 512)``: the ids stay one per block."""
+    inp = -(-r.input_length // token_scale)
+    out = -(-r.output_length // token_scale)
+    if max_input_tokens is not None and inp > max_input_tokens:
+        inp = max_input_tokens
+    if max_output_tokens is not None:
+        out = min(out, max_output_tokens)
+    block = BLOCK_TOKENS // token_scale
+    return Request(r.timestamp_ms, inp, out, r.hash_ids[: -(-inp // block)])
+
+
+def scaling_label(token_scale: int = 1, speedup: float = 1.0, start_s: float = 0.0, duration_s: float | None = None,
+                  max_requests: int | None = None, max_input_tokens: int | None = None,
+                  max_output_tokens: int | None = None, session_fraction: float = 1.0) -> str:
+    """What a conversion did to the trace, in one line for the records' ``scaling`` column:
+    ``tokens/16,input<=3072,output<=64,time x6,window 0-600s,sessions 0.1,first 200``
+    (tokens, time and window always; the rest where set)."""
+    parts = [f"tokens/{token_scale:g}"]
+    if max_input_tokens is not None:
+        parts.append(f"input<={max_input_tokens}")
+    if max_output_tokens is not None:
+        parts.append(f"output<={max_output_tokens}")
+    parts.append(f"time x{speedup:g}")
+    parts.append(f"window {start_s:g}-{start_s + duration_s:g}s" if duration_s is not None else f"window {start_s:g}s-end")
+    if session_fraction < 1:
+        parts.append(f"sessions {session_fraction:g}")
+    if max_requests is not None:
+        parts.append(f"first {max_requests}")
+    return ",".join(parts)
 
 
 class ParameterError(ValueError):
@@ -382,10 +439,21 @@ class ParameterError(ValueError):
         self.key = key
 
 
-def check_params(speedup: Any, start_s: Any, duration_s: Any, max_requests: Any, name: Any = "conversation") -> None:
+def check_params(speedup: Any, start_s: Any, duration_s: Any, max_requests: Any, name: Any = "conversation", *,
+                 token_scale: Any = 1, max_input_tokens: Any = None, max_output_tokens: Any = None,
+                 session_fraction: Any = 1.0) -> None:
     """Raise :class:`ParameterError` naming the first bad parameter of :func:`convert`."""
     def number(x: Any) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not (_is_count(token_scale, 1) and BLOCK_TOKENS % token_scale == 0):
+        raise ParameterError("token_scale", f"token_scale must be an integer >= 1 dividing {BLOCK_TOKENS} "
+                                            f"(so a block is whole tokens: 1, 2, 4, ..., 512), got {token_scale!r}")
+    for key, v in (("max_input_tokens", max_input_tokens), ("max_output_tokens", max_output_tokens)):
+        if v is not None and not _is_count(v, 1):
+            raise ParameterError(key, f"{key} must be None or an integer >= 1 (scaled tokens), got {v!r}")
+    if not (number(session_fraction) and 0 < session_fraction <= 1):
+        raise ParameterError("session_fraction", f"session_fraction must be a number in (0, 1], got {session_fraction!r}")
 
     if name not in TRACES:
         raise ParameterError("name", f"name must be a Mooncake trace, one of {sorted(TRACES)}; got {name!r}")
@@ -408,58 +476,78 @@ def convert(
     duration_s: float | None = None,
     max_requests: int | None = None,
     source: dict | None = None,
+    token_scale: int = 1,
+    max_input_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+    session_fraction: float = 1.0,
 ) -> Trace:
     """The requests as a replay-mode trace (the module docstring, and docs/workloads.md).
 
     Sessions are inferred over all ``requests`` (so a request's session does not
     depend on the window), then the window is cut: requests with
     ``start_s <= timestamp / 1000 < start_s + duration_s`` (trace seconds; ``None``: to
-    the end), the first ``max_requests`` of them. Request ``i`` arrives at
-    ``(timestamp_i / 1000 - start_s) / speedup``. A session is a conversation
+    the end) whose session ``session_fraction`` keeps (:func:`session_kept`), the first
+    ``max_requests`` of them. Request ``i`` arrives at
+    ``(timestamp_i / 1000 - start_s) / speedup``; its lengths are scaled by
+    :func:`scale_request` (``block_tokens = 512 / token_scale``). A session is a conversation
     ``mooncake-<name>-<index of its first request in the file>``, its requests in the
     window its turns in order; conversations come in order of their first turn.
     """
-    check_params(speedup, start_s, duration_s, max_requests, name)
+    check_params(speedup, start_s, duration_s, max_requests, name, token_scale=token_scale,
+                 max_input_tokens=max_input_tokens, max_output_tokens=max_output_tokens,
+                 session_fraction=session_fraction)
     if not requests:
         raise ValueError("no requests to convert")
     common = common_leading_blocks(requests)
     session = infer_sessions(requests, common)
-    picked = _window(requests, start_s, duration_s, max_requests)
+    picked = _window(requests, start_s, duration_s, max_requests, session, session_fraction)
     if not picked:
+        kept = "" if session_fraction == 1 else f" among the sessions session_fraction={session_fraction} keeps"
         raise ValueError(
-            f"no request of the {name} trace in the window start_s={start_s}, duration_s={duration_s} "
+            f"no request of the {name} trace in the window start_s={start_s}, duration_s={duration_s}{kept} "
             f"(its timestamps run from 0 to {requests[-1].timestamp_ms / 1000:.3f} s)"
         )
+    block = BLOCK_TOKENS // token_scale
+    scaled = {i: scale_request(requests[i], token_scale, max_input_tokens, max_output_tokens) for i in picked}
     prefix = f"mooncake-{name}"
     turns: dict[int, list[Turn]] = {}
     for i in picked:
-        r = requests[i]
+        r = scaled[i]
         at = (r.timestamp_ms / 1000.0 - start_s) / speedup
         turns.setdefault(session[i], []).append(Turn(r.input_length, r.output_length, 0.0, at, r.hash_ids))
     convs = tuple(Conversation(f"{prefix}-{s:05d}", "", 0, tuple(ts), ts[0].arrival_s) for s, ts in turns.items())
-    window = [requests[i] for i in picked]
+    window = [scaled[i] for i in picked]
+    params = {"name": name, "speedup": speedup, "start_s": start_s, "duration_s": duration_s,
+              "max_requests": max_requests, "token_scale": token_scale, "max_input_tokens": max_input_tokens,
+              "max_output_tokens": max_output_tokens, "session_fraction": session_fraction}
+    stats = _stats(scaled, picked, session, window, common, block, len(requests))
+    stats["truncated_prompts"] = sum(1 for i in picked if scaled[i].input_length < -(-requests[i].input_length // token_scale))
+    stats["clipped_replies"] = sum(1 for i in picked if scaled[i].output_length < -(-requests[i].output_length // token_scale))
     meta = {
         "dataset": "mooncake",
         "trace": name,
         "source": dict(source or {}),
-        "params": {"name": name, "speedup": speedup, "start_s": start_s, "duration_s": duration_s,
-                   "max_requests": max_requests},
-        "block_tokens": BLOCK_TOKENS,
+        "params": params,
+        "block_tokens": block,
+        "scaling": scaling_label(token_scale, speedup, start_s, duration_s, max_requests, max_input_tokens,
+                                 max_output_tokens, session_fraction),
         "session_rule": (f"a request continues the session of the earlier request it shares the most "
                          f"leading hash ids with, if more than the {common} every request shares; "
                          f"ties: the most recent; else a new session (so: one session per first "
                          f"{common + 1} hash ids)"),
-        "stats": _stats(requests, picked, session, window, common),
+        "stats": stats,
     }
-    trace = Trace(prefix, "replay", convs, None, meta, BLOCK_TOKENS).validate()
-    log.info("mooncake %s: %d requests in %d sessions, %.1f s after a %gx speed-up",
-             name, len(picked), len(convs), window[-1].timestamp_ms / 1000 / speedup - start_s / speedup, speedup)
+    trace = Trace(prefix, "replay", convs, None, meta, block).validate()
+    log.info("mooncake %s: %d requests in %d sessions, %.1f s after a %gx speed-up (%s)",
+             name, len(picked), len(convs), window[-1].timestamp_ms / 1000 / speedup - start_s / speedup, speedup,
+             meta["scaling"])
     return trace
 
 
-def _stats(requests: Sequence[Request], picked: list[int], session: list[int], window: list[Request],
-           common: int) -> dict[str, Any]:
-    """Sessions and reuse of the window, for the trace's meta (plain JSON)."""
+def _stats(requests: dict[int, Request], picked: list[int], session: list[int], window: list[Request],
+           common: int, block_tokens: int, in_file: int) -> dict[str, Any]:
+    """Sessions and reuse of the window (``requests``: the window's, by index in the
+    file, in ``block_tokens``-token blocks), for the trace's meta (plain JSON)."""
     sizes: dict[int, int] = {}
     for i in picked:
         sizes[session[i]] = sizes.get(session[i], 0) + 1
@@ -472,12 +560,12 @@ def _stats(requests: Sequence[Request], picked: list[int], session: list[int], w
     for i in picked:
         s = session[i]
         if s in previous:
-            session_reuse += _shared_tokens(requests[i], requests[previous[s]], BLOCK_TOKENS)
+            session_reuse += _shared_tokens(requests[i], requests[previous[s]], block_tokens)
         previous[s] = i
-    reuse = reused_tokens(window)
+    reuse = reused_tokens(window, block_tokens)
     return {
         "requests": len(window),
-        "requests_in_file": len(requests),
+        "requests_in_file": in_file,
         "sessions": len(per_session),
         "turns_per_session_mean": len(window) / len(per_session),
         "turns_per_session_median": statistics.median(per_session),
@@ -499,17 +587,23 @@ def mooncake_trace(
     start_s: float = 0.0,
     duration_s: float | None = None,
     max_requests: int | None = None,
+    token_scale: int = 1,
+    max_input_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+    session_fraction: float = 1.0,
     *,
     path: str | os.PathLike | None = None,
 ) -> Trace:
     """Trace ``name`` converted (:func:`convert`) from ``path`` (a fetched original or a
     gzipped copy; default the project's copy), verified by checksum first."""
-    check_params(speedup, start_s, duration_s, max_requests, name)
+    scale = {"token_scale": token_scale, "max_input_tokens": max_input_tokens,
+             "max_output_tokens": max_output_tokens, "session_fraction": session_fraction}
+    check_params(speedup, start_s, duration_s, max_requests, name, **scale)
     tf = trace_file(name)
     requests = read_requests(name, path)
     source = {"file": tf.filename, "sha256": tf.sha256, "url": tf.url, "commit": COMMIT}
     return convert(requests, name, speedup=speedup, start_s=start_s, duration_s=duration_s,
-                   max_requests=max_requests, source=source)
+                   max_requests=max_requests, source=source, **scale)
 
 
 #: Aliases under which :mod:`kvroute.workload` exports them.
