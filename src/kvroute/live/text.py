@@ -62,6 +62,18 @@ _UNKNOWN_BASE = WORD_BASE + len(VOCAB)
 _UNKNOWN_MOD = 1 << 20
 TEMPLATE_TOKENS_PER_MESSAGE = 3  # <|im_start|> role ... <|im_end|>
 GENERATION_PROMPT_TOKENS = 2  # <|im_start|> assistant
+
+
+def chat_template():
+    """This tokenizer's template as the simulator counts one (:class:`kvroute.hardware.ChatTemplate`):
+    ``<|im_start|>`` and the role open a message, ``<|im_end|>`` closes it (newlines are
+    whitespace, no token), and the generation prompt is the reply's two-token head. A
+    simulation of an emulated run uses it in place of the profile's model's."""
+    from kvroute.hardware import ChatTemplate
+
+    head, close = TEMPLATE_TOKENS_PER_MESSAGE - 1, 1
+    return ChatTemplate(system_open=head, system_close=close, user_open=head, user_close=close,
+                        generation_prompt=GENERATION_PROMPT_TOKENS, assistant_close=close)
 _SPECIAL_RE = re.compile(r"(<\|im_start\|>|<\|im_end\|>)")
 
 
