@@ -804,7 +804,7 @@ class Gateway:
             of it is read, before ``100 Continue``) or, chunked, once more than the limit
             has arrived, and the connection is closed. The default, 8 MiB, holds any
             real prompt with margin: chat JSON is about 4 bytes a token for English
-            text and at most about 12 where every character is a ``\\uXXXX`` escape,
+            text and at most about 12 where every character is a six-byte ``\\u`` escape,
             so a full 128k-token context is 0.5-1.5 MiB and a 1M-token English prompt
             about 4 MiB. (aiohttp's default, 64 MiB, which the gateway had before,
             let a 64 MB body be read whole and parsed.)
