@@ -27,6 +27,16 @@ def _echo_scaling(summary) -> None:
             click.echo(f"trace scaled: {label}")
 
 
+POINT_HELP = ("The experiment's operating point (`kvroute operating-point`'s file), which an experiment "
+              "with key operating_point needs to draw its workload.")
+
+
+def _read_point(path: Path, exp) -> float:
+    from kvroute.sim.operating_point import read
+
+    return read(path, exp)
+
+
 @click.command()
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--hardware", required=True, help="Hardware profile whose workers to start (cpu here).")
@@ -100,15 +110,19 @@ def main(verbose: bool) -> None:
 @click.option("--coefficients", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Coefficients entries (e.g. from `kvroute calibrate --probe`) to use for the hardware family instead of hardware/coefficients.yaml.")
 @click.option("--load", type=float, help=LOAD_HELP.format(verb="Simulate") + " One job of a load sweep.")
+@click.option("--operating-point", "point_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help=POINT_HELP)
 def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None, hardware: str | None,
-             trace: Path | None, coefficients: Path | None, load: float | None) -> None:
+             trace: Path | None, coefficients: Path | None, load: float | None, point_file: Path | None) -> None:
     """Simulate EXPERIMENT and write OUT/requests.parquet and OUT/summary.csv."""
     from kvroute.sim.run import simulate_experiment
     from kvroute.workload.sharegpt import DownloadError
 
     try:
         exp = load_experiment(experiment)
-        summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, trace, coefficients, load)
+        point = _read_point(point_file, exp) if point_file is not None and trace is None else None
+        summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, trace, coefficients, load,
+                                      point)
     except (ExperimentError, ValueError, DownloadError) as exc:  # DownloadError: a dataset failing its checksum
         raise click.ClickException(str(exc)) from exc
     cols = ["hardware", "policy", "round", *_load_cols(summary), "time_to_complete_s", "later_ttft_mean_ms", "hit_rate", "imbalance"]
@@ -124,16 +138,40 @@ def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int
 @click.option("--load", type=float, help="The value of the experiment's load axis to write the workload at (required when it has one).")
 @click.option("--dataset", "dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The file a dataset workload converts (from `kvroute fetch`); default: the project's copy. Verified by checksum.")
-def workload(experiment: Path, round_: int, out: Path, load: float | None, dataset: Path | None) -> None:
+@click.option("--operating-point", "point_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help=POINT_HELP)
+def workload(experiment: Path, round_: int, out: Path, load: float | None, dataset: Path | None,
+             point_file: Path | None) -> None:
     """Write round ROUND's workload of EXPERIMENT to OUT, as `kvroute simulate` would draw it."""
     from kvroute.pipeline import write_round_trace
     from kvroute.workload.sharegpt import DownloadError
 
     try:
-        path = write_round_trace(experiment, round_, out, load, dataset)
+        path = write_round_trace(experiment, round_, out, load, dataset, point_file)
     except (ExperimentError, ValueError, DownloadError) as exc:  # DownloadError: a file failing its checksum
         raise click.ClickException(str(exc)) from exc
     click.echo(f"wrote {path}")
+
+
+@main.command("operating-point")
+@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="JSON file to write.")
+@click.option("--coefficients", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Coefficients entries to simulate with instead of hardware/coefficients.yaml's.")
+def operating_point(experiment: Path, out: Path, coefficients: Path | None) -> None:
+    """Find EXPERIMENT's operating point (its key operating_point): the parameter value at
+    which the policy's metric equals the published value; write the value and every
+    evaluation to OUT."""
+    from kvroute.sim import operating_point as op
+
+    try:
+        record = op.find(load_experiment(experiment), coefficients)
+    except (ExperimentError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    op.write(record, out)
+    click.echo(f"{record['experiment']}: {record['param']} = {record['value']:.4g} gives {record['policy']} "
+               f"{record['metric']} {record['achieved']:.1f} (target {record['target']:g}, "
+               f"{len(record['evaluations'])} simulations)")
 
 
 @main.command()
@@ -182,8 +220,11 @@ def merge(dirs: tuple[Path, ...], out: Path) -> None:
 @click.option("--coefficients", "coefficients", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Coefficient entries the simulations used instead of hardware/coefficients.yaml (simulate --coefficients); "
                    "their provenance says what is in sample. Repeatable.")
+@click.option("--experiments", "experiments", type=click.Path(file_okay=False, path_type=Path), default=Path("config/experiments"),
+              show_default=True, help="Folder of the experiment files (an operating point's target is in sample).")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for summary.csv and published.csv.")
-def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path, coefficients: tuple[Path, ...], out: Path) -> None:
+def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path, coefficients: tuple[Path, ...],
+             experiments: Path, out: Path) -> None:
     """Every prediction beside its measurement (summary.csv) and published value (published.csv)."""
     import functools
 
@@ -194,6 +235,7 @@ def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path,
         headline,
         in_sample_experiments,
         measured_rows,
+        operating_point_anchors,
         published_rows,
         read_reported,
     )
@@ -211,7 +253,8 @@ def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path,
     try:
         in_sample = functools.partial(in_sample_experiments, coefficients=coefficients)
         summary = measured_rows(sim, meas, sim_req, meas_req, in_sample=in_sample)
-        published = published_rows(sim, read_reported(reported), in_sample=in_sample)
+        anchors = operating_point_anchors(experiments, sim["experiment"].unique() if len(sim) else ())
+        published = published_rows(sim, read_reported(reported), in_sample=in_sample, anchors=anchors)
     except ValidationError as exc:
         raise click.ClickException(str(exc)) from exc
     out.mkdir(parents=True, exist_ok=True)

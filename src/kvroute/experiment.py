@@ -76,6 +76,8 @@ class Experiment:
     raw: dict
     load_signal: LoadSignal = ROUTER
     load: LoadAxis | None = None
+    #: kvroute.sim.operating_point.OperatingPointSpec, or None
+    operating_point: Any = None
 
     def loads(self, load: float | None = None) -> list[float | None]:
         """The load values to run: every one of the axis, or just ``load`` (``[None]``
@@ -212,6 +214,7 @@ def load_experiment(path: str | Path) -> Experiment:
             except ValueError as exc:
                 raise ExperimentError(f"{path}: key runs.{i}.policies.{j}: {exc}") from exc
         runs.append((run["hardware"], tuple(run["policies"])))
+    point = _operating_point(path, raw, wl, tuple(runs), raw.get("rounds", 1)) if "operating_point" in raw else None
     return Experiment(
         name=raw["name"],
         path=path,
@@ -223,7 +226,29 @@ def load_experiment(path: str | Path) -> Experiment:
         raw=raw,
         load_signal=load_signal,
         load=load,
+        operating_point=point,
     )
+
+
+def _operating_point(path: Path, raw: dict, workload: dict, runs: tuple, rounds: int):
+    """Check ``operating_point``: a generator parameter set by nothing else, then the rest
+    (:func:`kvroute.sim.operating_point.parse_spec`)."""
+    from kvroute.sim.operating_point import parse_spec
+
+    spec = raw["operating_point"]
+    param = spec["param"]
+    if "generator" not in workload:
+        raise ExperimentError(f"{path}: key operating_point: needs a generator workload (this one has "
+                              f"{'a trace file' if 'trace' in workload else 'a dataset'})")
+    if param not in workload_parameters(workload):
+        raise ExperimentError(f"{path}: key operating_point.param: {param!r} is not a parameter of generator "
+                              f"{workload['generator']!r}")
+    if param in workload.get("params", {}):
+        raise ExperimentError(f"{path}: key workload.params.{param}: the operating point sets {param}; "
+                              "drop it from workload.params")
+    if "load" in raw and raw["load"]["param"] == param:
+        raise ExperimentError(f"{path}: key operating_point.param: the load axis sweeps {param} already")
+    return parse_spec(path, spec, runs, rounds)
 
 
 def workload_parameters(workload: dict) -> dict[str, Any]:

@@ -98,14 +98,15 @@ def config_errors(config: dict, schema: dict) -> list[str]:
 
 
 def write_round_trace(experiment: Path, round_: int, out: Path, load: float | None = None,
-                      dataset: Path | None = None) -> Path:
+                      dataset: Path | None = None, point_file: Path | None = None) -> Path:
     """Write round ``round_``'s workload of ``experiment`` (at ``load``, one value of its
     load axis, which an experiment with one needs) to ``out`` (atomically).
 
     The trace is the one ``kvroute simulate`` would draw for that round and load
     (:func:`kvroute.sim.run.load_trace`), so simulating from it gives the same records.
     ``dataset``: the file a dataset workload converts (a fetched original; default the
-    project's copy), verified by checksum either way.
+    project's copy), verified by checksum either way. ``point_file``: the experiment's
+    operating point (``kvroute operating-point``'s output), which an experiment with one needs.
     """
     from kvroute.experiment import ExperimentError, format_load, load_experiment
     from kvroute.sim.run import load_trace
@@ -119,7 +120,12 @@ def write_round_trace(experiment: Path, round_: int, out: Path, load: float | No
         raise ExperimentError(f"{experiment}: the experiment has a load axis ({exp.load.param}: {values}); "
                               "choose one with --load")
     (value,) = exp.loads(load)
-    return write_trace(load_trace(exp, round_, value, dataset), out)
+    point = None
+    if point_file is not None:
+        from kvroute.sim.operating_point import read
+
+        point = read(point_file, exp)
+    return write_trace(load_trace(exp, round_, value, dataset, point), out)
 
 
 # ---------------------------------------------------------------------------- merge

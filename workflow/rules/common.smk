@@ -233,11 +233,44 @@ def get_workload_inputs(wildcards):
     if "dataset" in exp.workload:  # only mooncake so far (rule fetch_mooncake)
         name = exp.workload.get("params", {}).get("name", "conversation")
         files["dataset"] = f"{RESULTS}/data/{exp.workload['dataset']}/{name}_trace.jsonl"
+    if exp.operating_point is not None:  # rule operating_point chooses a parameter first
+        files["point"] = operating_point_file(wildcards.exp)
     return files
 
 
 def get_workload_dataset_arg(wildcards, input):
-    return f"--dataset {input.dataset}" if hasattr(input, "dataset") else ""
+    args = [f"--dataset {input.dataset}"] if hasattr(input, "dataset") else []
+    if hasattr(input, "point"):
+        args.append(f"--operating-point {input.point}")
+    return " ".join(args)
+
+
+def operating_point_file(name):
+    return f"{RESULTS}/operating_point/{name}.json"
+
+
+def get_operating_point_inputs(wildcards):
+    """What an operating-point search reads: the experiment, the published value it
+    matches, the simulator, the matched policy's modules and its hardware (with the probe
+    calibration where the profile is measured CPU hardware)."""
+    from kvroute.pipeline import policy_sources
+
+    exp = _experiment(wildcards.exp, "experiments")
+    op = exp.operating_point
+    if op is None:
+        _fail(f"experiment {wildcards.exp} has no operating_point key")
+    files = {
+        "experiment": experiment_file(wildcards.exp), "reported": str(op.reported),
+        "hardware": [f"hardware/{op.hardware}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"],
+        "sources": SIM_CORE_SOURCES, "policy_sources": policy_sources(op.policy),
+    }
+    if op.hardware in get_probe_hardware():
+        files["coefficients"] = probe_result(op.hardware)[:1]
+    return files
+
+
+def get_operating_point_coefficients_arg(wildcards, input):
+    return f"--coefficients {input.coefficients[0]}" if hasattr(input, "coefficients") else ""
 
 
 def get_hardware_files(wildcards):
@@ -410,6 +443,7 @@ def get_validation_inputs():
         "sim": [f for name in get_experiments() for f in sim_result(name)],
         "measure": [f for exp, hw in get_measure_runs() for f in measure_result(exp, hw)],
         "reported": sorted(glob.glob("paper/reported/*.csv")),
+        "experiments": [experiment_file(name) for name in get_experiments()],  # operating points: in sample
         "coefficients": "hardware/coefficients.yaml",
         "probes": [probe_result(hw)[0] for hw in get_probe_hardware()],
         "code": VALIDATION_SOURCES,

@@ -57,12 +57,19 @@ def trace_seed(seed: int, round_: int) -> int:
     return int(np.random.SeedSequence([seed, round_]).generate_state(1)[0])
 
 
-def load_trace(exp: Experiment, round_: int, load: float | None = None, dataset: Path | None = None) -> Trace:
+def load_trace(exp: Experiment, round_: int, load: float | None = None, dataset: Path | None = None,
+               point: float | None = None) -> Trace:
     """Round ``round_``'s workload; at ``load``, the load axis's parameter set to it
     (the seed is the round's whatever the load: common random numbers across loads). A
     dataset workload is converted from ``dataset`` (default the project's copy), the
-    same requests every round."""
+    same requests every round. ``point``: the value of the experiment's operating-point
+    parameter (kvroute.sim.operating_point), which an experiment with one needs."""
     wl = exp.workload
+    if point is not None and exp.operating_point is None:
+        raise ValueError(f"{exp.path}: an operating point ({point}) was given, but the experiment has no operating_point key")
+    if exp.operating_point is not None and point is None:
+        raise ValueError(f"{exp.path}: the experiment's {exp.operating_point.param} is its operating point: run "
+                         "`kvroute operating-point` and pass its file (--operating-point)")
     if load is not None and exp.load is None:
         raise ValueError(f"{exp.path}: a load ({load}) was given, but the experiment has no load axis (key load)")
     if exp.load is not None and load is None:
@@ -72,6 +79,8 @@ def load_trace(exp: Experiment, round_: int, load: float | None = None, dataset:
     params = dict(wl.get("params", {}))
     if load is not None:
         params[exp.load.param] = load
+    if point is not None:
+        params[exp.operating_point.param] = point
     if "dataset" in wl:
         return load_dataset(wl["dataset"], dataset, **params)
     return generate(wl["generator"], trace_seed(exp.seed, round_), **params)
@@ -135,6 +144,23 @@ def simulate_run(exp: Experiment, run: Run, trace: Trace, coefficients: Path | N
     return rows, meta
 
 
+#: the simulated engines' counters a summary row carries (kvroute.sim.cluster.worker_stats)
+ENGINE_COUNTERS = ("evictions", "preemptions", "max_batch", "mean_batch")
+
+
+def engine_counters(stats: dict[str, dict]) -> dict[str, float]:
+    """A run's engine counters over its workers: cached blocks evicted and preemptions
+    (sums), the largest batch, and the mean batch while busy (sequence-seconds over busy
+    seconds, all workers)."""
+    busy = sum(w["busy_s"] for w in stats.values())
+    return {
+        "evictions": sum(w["evictions"] for w in stats.values()),
+        "preemptions": sum(w["preemptions"] for w in stats.values()),
+        "max_batch": max((w["max_batch"] for w in stats.values()), default=0),
+        "mean_batch": sum(w["batch_seq_s"] for w in stats.values()) / busy if busy else float("nan"),
+    }
+
+
 def load_columns(exp: Experiment, run: Run) -> dict:
     """The records' ``load_param`` and ``load`` of ``run`` (None without a load axis)."""
     return {"load_param": exp.load.param if exp.load else None, "load": run.load}
@@ -161,8 +187,11 @@ def simulate_experiment(
     trace: Path | None = None,
     coefficients: Path | None = None,
     load: float | None = None,
+    point: float | None = None,
 ) -> pd.DataFrame:
     """Simulate every run of ``exp`` (after overrides) and write ``out``'s two files.
+
+    ``point``: the operating point's value (:func:`load_trace`), where the experiment has one.
 
     ``coefficients`` replaces each run's family coefficients with that file's entry
     (see :func:`simulate_run`); run.json records which were used.
@@ -189,7 +218,7 @@ def simulate_experiment(
         at = "" if run.load is None else f" {exp.load.param}={run.load}"
         bar.set_postfix_str(f"{run.hardware} {run.policy} round {run.round}{at}")
         if (run.round, run.load) not in traces:
-            traces[(run.round, run.load)] = load_trace(exp, run.round, run.load)
+            traces[(run.round, run.load)] = load_trace(exp, run.round, run.load, point=point)
         rows, meta = simulate_run(exp, run, traces[(run.round, run.load)], coefficients)
         all_rows.extend(rows)
         metas.append(meta)
@@ -204,6 +233,9 @@ def simulate_experiment(
     speed = {_run_key(m["run"]): m["sim_s"] / m["wall_s"] if m["wall_s"] else float("nan") for m in metas}
     keys = summary[["experiment", "hardware", "policy", "round", "load"]].to_dict("records")
     summary["sim_seconds_per_wall_second"] = [speed[_run_key(k)] for k in keys]
+    engines = {_run_key(m["run"]): engine_counters(m["worker_stats"]) for m in metas}
+    for col in ENGINE_COUNTERS:
+        summary[col] = [engines[_run_key(k)][col] for k in keys]
     write_csv(summary, out / "summary.csv")
     info = {"experiment": exp.raw, "trace": str(trace) if trace is not None else None, "runs": metas, "hardware": {h: load_hardware(h).to_dict() for h in {r.hardware for r in runs}},
             "coefficients": coefficients_info({r.hardware for r in runs}, coefficients)}
