@@ -144,7 +144,32 @@ def test_every_reported_figure_of_note2_has_a_prediction_row(tmp_path):
     assert res.exit_code == 0, res.output
     pub = pd.read_csv(tmp_path / "v" / "published.csv")
     rep = read_reported(ROOT / "paper/reported")
+    rep = rep[rep["note"] == "note2"]  # only note 2's experiments were simulated here
     expected = sum(2 if r.experiment == "*" else 1 for r in rep.itertuples() if isinstance(r.metric, str))
     assert len(pub) == expected
     assert pub["predicted"].notna().all() and not pub["in_sample"].any()
     assert pd.read_csv(tmp_path / "v" / "summary.csv").empty  # nothing measured
+
+
+def test_a_figure_whose_hardware_is_unpublished_is_judged_on_every_profile_and_an_anchor_in_sample():
+    """kv-reuse's figures name no hardware (``*``): one row per profile simulated; the
+    operating point's target (least-loaded's mean TTFT) is in sample, the rest are not."""
+    sim = pd.DataFrame([{"experiment": "kv-reuse", "hardware": h, "policy": p, "ttft_mean_ms": 100.0, "hit_rate": 0.9}
+                        for h in ("a6000x4", "h100x8") for p in ("least_loaded", "sticky")])
+    rep = pd.DataFrame([{"experiment": "kv-reuse", "hardware": "*", "policy": p, "metric": m, "value": 50.0,
+                         "value_hi": float("nan"), "note": "kv_reuse"}
+                        for p in ("least_loaded", "sticky") for m in ("ttft_mean_ms", "hit_rate")])
+    from kvroute.analysis.validation import published_rows
+
+    out = published_rows(sim, rep, in_sample=lambda hw: frozenset(),
+                         anchors=frozenset({("kv-reuse", "least_loaded", "ttft_mean_ms")}))
+    assert len(out) == 2 * 4 and set(out["hardware"]) == {"a6000x4", "h100x8"}
+    inside = out[out["in_sample"]]
+    assert set(zip(inside["policy"], inside["metric"])) == {("least_loaded", "ttft_mean_ms")} and len(inside) == 2
+
+
+def test_the_operating_points_target_is_an_anchor():
+    from kvroute.analysis.validation import operating_point_anchors
+
+    anchors = operating_point_anchors(ROOT / "config/experiments", ["kv-reuse", "note2-6turn", "no-such"])
+    assert anchors == frozenset({("kv-reuse", "least_loaded", "ttft_mean_ms")})

@@ -142,6 +142,8 @@ def expected_fresh_jobs(repo: Path) -> Counter:
         paper=1,
         # one fetch per recorded trace the experiments name (the Mooncake traces)
         fetch_mooncake=len({e.workload["params"]["name"] for e in exps if e.workload.get("dataset") == "mooncake"}),
+        # one search per experiment whose load is its operating point (kv-reuse)
+        operating_point=sum(1 for e in exps if e.operating_point is not None),
     )
     for a in cfg["analyses"]:
         jobs[f"analyse_{a['notebook']}"] = 1
@@ -351,7 +353,12 @@ def test_editing_the_simulator_reruns_simulations(built, capfd):
     counts = _after_editing(built, capfd, "src/kvroute/sim/engine.py")
     assert counts["simulate"] == fresh["simulate"]
     assert counts["merge"] == fresh["merge"] and counts["arithmetic"] == fresh["arithmetic"]
-    assert counts["workload"] == 0  # traces do not depend on the engine
+    # traces do not depend on the engine, except where the engine chose the load: an
+    # operating point's search reruns, and the workloads drawn at its value after it
+    pointed = [load_experiment(repo / f"config/experiments/{n}.yaml") for n in _config(repo)["experiments"]]
+    pointed = [e for e in pointed if e.operating_point is not None]
+    assert counts["operating_point"] == len(pointed) > 0
+    assert counts["workload"] == sum(e.rounds for e in pointed)
     assert counts["note"] == fresh["note"] == counts["note_layout"]  # every note prints the provenance table
     # a notebook that reads no simulation (sticky: measurement only) is not rerun
     readers = {f"analyse_{a['notebook']}" for a in _config(repo)["analyses"] if a.get("sim")}

@@ -9,8 +9,10 @@ Definitions (turn k of a conversation, 0-based; "later" turns are k >= 1):
 * history reuse of turn k >= 1: ``min(cached, history) / history``, the fraction of the
   conversation's own past that the turn found in cache (1: it landed where its history
   is; near 0: it recomputed it).
-* the two reuse figures of ``results.csv``: ``later_turn_reuse`` (mean reuse of later
-  turns) and ``history_reuse`` (token-weighted history reuse of later turns).
+* the reuse figures of ``results.csv``: ``request_reuse`` (mean reuse of every request,
+  turn 0 included: the reading of the original's "reuse" that its values fit),
+  ``later_turn_reuse`` (mean reuse of later turns) and ``history_reuse`` (token-weighted
+  history reuse of later turns).
 * a miss: a later turn whose history reuse is below :data:`MISS_THRESHOLD`.
 * imbalance: ``summary.csv``'s coefficient of variation of per-worker work.
 
@@ -44,7 +46,8 @@ OBJECTIVES = (
     ("hit_rate", "max", "hit rate"),
     ("imbalance", "min", "balance (imbalance)"),
 )
-RESULT_METRICS = ("ttft_mean_ms", "ttft_p99_ms", "hit_rate", "later_turn_reuse", "history_reuse", "imbalance")
+RESULT_METRICS = ("ttft_mean_ms", "ttft_p99_ms", "hit_rate", "request_reuse", "later_turn_reuse", "history_reuse",
+                  "imbalance")
 
 
 def with_history(records: pd.DataFrame) -> pd.DataFrame:
@@ -66,6 +69,7 @@ def per_round(records: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
     later = d[d["turn"] >= 1]
     g = later.groupby(["policy", "round"])
     reuse = pd.DataFrame({
+        "request_reuse": d.groupby(["policy", "round"])["reuse"].mean(),
         "later_turn_reuse": g["reuse"].mean(),
         "history_reuse": g.apply(lambda x: np.minimum(x["cached_tokens"], x["history"]).sum() / x["history"].sum()
                                  if x["history"].sum() > 0 else math.nan, include_groups=False),

@@ -22,7 +22,7 @@ provenance's ``in_sample_for`` in ``hardware/coefficients.yaml``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -146,11 +146,16 @@ def published_rows(
     sim: pd.DataFrame,
     reported: pd.DataFrame,
     in_sample: Callable[[str], set[str]] = in_sample_experiments,
+    anchors: frozenset[tuple[str, str, str]] = frozenset(),
 ) -> pd.DataFrame:
     """Every published figure of ``reported`` (``paper/reported/*.csv`` rows with a metric)
     beside its prediction from ``sim``. An experiment ``*`` (a figure whose chat length the
     original does not state) gives one row per simulated experiment of that note (named
-    after the reported file: ``note2.csv`` -> ``note2-*``) on that hardware."""
+    after the reported file: ``note2.csv`` -> ``note2-*``) on that hardware. A hardware
+    ``*`` (an original whose hardware is not published) gives one row per profile the
+    experiment was simulated on. ``anchors``: (experiment, policy, metric) figures the
+    simulation was matched to (an operating point's target), in sample whatever the
+    coefficients."""
     if sim.empty:
         return pd.DataFrame(columns=list(COLUMNS))
     rows = []
@@ -162,16 +167,34 @@ def published_rows(
             exps = [r.experiment]
         hi = float(r.value_hi) if pd.notna(getattr(r, "value_hi", float("nan"))) else float("nan")
         for exp in exps:
-            pred = _predicted(sim, exp, r.hardware, r.policy, r.metric)
-            if np.isnan(pred):
-                continue
-            lo = float(r.value)
-            rows.append({"experiment": exp, "hardware": r.hardware, "policy": r.policy, "metric": r.metric,
-                         "predicted": pred, "measured": lo if np.isnan(hi) else (lo + hi) / 2,
-                         "measured_lo": lo if not np.isnan(hi) else float("nan"), "measured_hi": hi,
-                         "rel_error": _rel(pred, lo, hi, difference=r.metric.endswith(CHANGE)),
-                         "in_sample": exp in in_sample(r.hardware)})
+            hws = (sorted(sim.loc[sim["experiment"] == exp, "hardware"].unique()) if r.hardware == "*"
+                   else [r.hardware])
+            for hw in hws:
+                pred = _predicted(sim, exp, hw, r.policy, r.metric)
+                if np.isnan(pred):
+                    continue
+                lo = float(r.value)
+                rows.append({"experiment": exp, "hardware": hw, "policy": r.policy, "metric": r.metric,
+                             "predicted": pred, "measured": lo if np.isnan(hi) else (lo + hi) / 2,
+                             "measured_lo": lo if not np.isnan(hi) else float("nan"), "measured_hi": hi,
+                             "rel_error": _rel(pred, lo, hi, difference=r.metric.endswith(CHANGE)),
+                             "in_sample": exp in in_sample(hw) or (exp, r.policy, r.metric) in anchors})
     return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def operating_point_anchors(experiments: Path, names: Iterable[str]) -> frozenset[tuple[str, str, str]]:
+    """(experiment, policy, metric) of each named experiment's operating-point target
+    (``operating_point`` in ``experiments/NAME.yaml``): matched, so in sample."""
+    from kvroute.experiment import load_experiment
+
+    out = set()
+    for name in names:
+        f = Path(experiments) / f"{name}.yaml"
+        if f.is_file():
+            op = load_experiment(f).operating_point
+            if op is not None:
+                out.add((name, op.policy, op.metric))
+    return frozenset(out)
 
 
 def read_reported(directory: Path) -> pd.DataFrame:

@@ -497,6 +497,8 @@ class SimCluster:
                 "evictions": e.pool.num_evictions,
                 "busy_s": e.busy_s,
                 "steps": e.steps,
+                "max_batch": e.max_batch,
+                "batch_seq_s": e.batch_seq_s,
             }
             for e in self.engines
         }

@@ -172,6 +172,9 @@ class Engine:
         self.prefix_hits = 0
         self.num_preemptions = 0
         self.busy_s = 0.0
+        # batch sizes: the largest batch and sequence-seconds (a busy-time-weighted mean batch)
+        self.max_batch = 0
+        self.batch_seq_s = 0.0
 
     # -- interface ----------------------------------------------------------
     @property
@@ -247,6 +250,10 @@ class Engine:
         run_s = plan.ends[steps - 1]
         end_s = start_s + run_s
         self.busy_s += run_s
+        nb = len(plan.reqs)
+        self.batch_seq_s += nb * run_s
+        if nb > self.max_batch:
+            self.max_batch = nb
         t1 = self._tick + steps
         self._tick = t1
         running = self.running
