@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.envlock import (ResolveError, env_digest, normalize, pins, pip_requirements, read_header, resolve,
-                             spec_of)
+from kvroute.envlock import (LockSpec, ResolveError, env_digest, normalize, pins, pip_requirements, read_header,
+                             resolve, spec_of)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = ROOT / "envs/engine-gpu.yaml"
@@ -115,6 +115,13 @@ def test_an_unreachable_index_is_told_apart_from_a_failed_resolution(tmp_path):
     env.write_text("dependencies:\n  - python=3.11\n")
     with pytest.raises(ValueError, match="no 'pip' list"):
         pip_requirements(env)
+
+
+def test_bad_headers_and_cut_offs_are_named():
+    with pytest.raises(ValueError, match="exclude_newer"):
+        LockSpec("yesterday")
+    with pytest.raises(ValueError, match="env-sha256"):
+        read_header("# python-platform: x86_64-manylinux_2_28\nvllm==0.11.0\n")
 
 
 # ------------------------------------------------------------------ what `kvroute measure` imports
