@@ -237,6 +237,17 @@ def test_measured_cells_are_dashes_without_measurements(notebook_outputs):
     assert not (notebook_outputs / "figures/sticky/turn2_ttft.pdf").exists()
 
 
+def test_tn4_says_what_it_simulated_and_gives_differences_in_points(notebook_outputs):
+    nums = (notebook_outputs / "numbers/tn4.tex").read_text()
+    # hit-rate differences are percentage points: bare numbers the prose calls "points"
+    for name in ("kvTnMaxErrSticky", "kvTnMaxCfErrRandom", "kvTnMaxErrRRObserved"):
+        line = next(x for x in nums.splitlines() if "{\\" + name + "}" in x)
+        assert r"\num{" in line and r"\percent" not in line, line
+    assert r"\newcommand{\kvTnHardware}{\texttt{a6000x4}}" in nums
+    assert r"\newcommand{\kvTnSimHardware}{\texttt{a6000x2}, \texttt{a6000x4}}" in nums  # the sample's n = 2, 4
+    assert "with simulated" in (notebook_outputs / "tables/tn4/sweep.tex").read_text()
+
+
 def test_sticky_with_a_measurement(measured_results, tmp_path):
     _run("sticky", measured_results, tmp_path)
     nums = (tmp_path / "numbers/sticky.tex").read_text()
