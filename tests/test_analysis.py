@@ -427,6 +427,66 @@ def test_measurement_summary():
     assert s.loc["sticky", "busiest_share"] == 1.0 and s.loc["random", "busiest_share"] == 0.5
     assert s.loc["random", "cold_ttft_median_ms"] == 150.0
 
+def test_turn_two_times_splits_fixed_and_per_token_cost():
+    rows = [dict(source="live", policy="random", conversation=f"c{i}", turn=1, status="ok", worker="w0",
+                 prompt_tokens=3142, cached_tokens=2944 if warm else 0,
+                 ttft_ms=(30.0 + 0.1 * (198 if warm else 3142))) for i, warm in enumerate([True, True, False])]
+    t = sticky.turn_two_times(pd.DataFrame(rows))
+    assert (t.warm_work, t.cold_work) == (198, 3142)
+    assert t.per_token_ms == pytest.approx(0.1) and t.fixed_ms == pytest.approx(30.0)
+    assert t.work_ratio == pytest.approx(3142 / 198)
+    assert t.ttft_ratio == pytest.approx((30 + 314.2) / (30 + 19.8))
+    assert t.ttft_ratio < t.work_ratio  # a fixed cost shrinks the ratio
+    no_cold = sticky.turn_two_times(pd.DataFrame(rows[:2]))
+    assert math.isnan(no_cold.cold_ttft_ms) and math.isnan(no_cold.ttft_ratio)
+
+
+def test_turn_sizes_from_records():
+    rows = [dict(source="live", policy=p, conversation=f"{p}{i}", round=r, turn=k, status="ok", worker="w0",
+                 prompt_tokens=3012 if k == 0 else 3142, cached_tokens=2944 if (k and p == "sticky") else 0,
+                 output_tokens=16, ttft_ms=1.0)
+            for p in ("sticky", "random") for r in (0, 1) for i in range(3) for k in (0, 1)]
+    s = sticky.turn_sizes(pd.DataFrame(rows))
+    assert s == {"turn1_prompt": 3012, "turn2_prompt": 3142, "warm_cached": 2944, "reply": 16, "rounds": 2,
+                 "trials_per_round": 3}
+
+
+def test_api_cost_at_length_takes_the_nearest_probed_length():
+    def probe(words, tokens, ttft, queue, prefill, used=True, kind="prefill"):
+        return dict(level="probe", kind=kind, used=used, words=words, prompt_tokens=tokens, ttft_ms=ttft,
+                    engine_queue_s_ms=queue, engine_prefill_s_ms=prefill)
+    probes = pd.DataFrame([
+        probe(128, 140, 20.0, 0.0, 15.0), probe(128, 140, 21.0, 0.0, 15.0),  # 5-6 ms outside the engine
+        probe(3000, 3012, 60.0, 1.0, 40.0), probe(3000, 3012, 62.0, 1.0, 40.0), probe(3000, 3011, 64.0, 1.0, 40.0),
+        probe(3000, 3012, 500.0, 0.0, 0.0, used=False),  # an unused probe is left out
+        dict(level="condition", kind="prefill", used=True, words=None, prompt_tokens=3012, ttft_ms=None,
+             engine_queue_s_ms=None, engine_prefill_s_ms=None),
+    ])
+    assert sticky.api_cost_at_length(probes, 3142) == (21.0, 3012.0, 3)
+    assert sticky.api_cost_at_length(probes, 100) == (5.5, 140.0, 2)
+    with pytest.raises(ValueError, match="engine_prefill_s_ms"):
+        sticky.api_cost_at_length(probes.drop(columns="engine_prefill_s_ms"), 3142)
+    with pytest.raises(ValueError, match="no used prefill probe"):
+        sticky.api_cost_at_length(probes[probes["level"] == "condition"], 3142)
+
+
+def test_probe_costs_and_predicted_ttft():
+    from kvroute.hardware import load_hardware
+
+    entry = {"api_overhead_ms": 6.5, "provenance": {"measured": {"api_cost_ms": {"value": 4.5},
+                                                                  "admission_ms": {"value": 2.0}}}}
+    assert sticky.probe_costs(entry) == {"api_cost_ms": 4.5, "admission_ms": 2.0, "api_overhead_ms": 6.5}
+    with pytest.raises(ValueError, match="admission_ms"):
+        sticky.probe_costs({"api_overhead_ms": 6.5, "provenance": {"measured": {"api_cost_ms": {"value": 4.5}}}})
+    hw = load_hardware("cpu")
+    warm, cold = (sticky.predicted_ttft_ms(hw, 3142, c, 0.0) for c in (2944, 0))
+    assert 0 < warm < cold
+    assert sticky.predicted_ttft_ms(hw, 3142, 2944, 10.0) == pytest.approx(warm + 10.0)
+    # the cold prompt is prefilled in chunks of max_num_batched_tokens: two steps, each with its fixed cost
+    one_step = sticky.predicted_ttft_ms(hw, hw.engine.max_num_batched_tokens, 0, 0.0)
+    assert cold > one_step
+
+
 # ---------------------------------------------------------------- provenance appendix
 
 

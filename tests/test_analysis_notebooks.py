@@ -95,14 +95,14 @@ OUTPUTS = {
                                                   "mooncake_conversation", "mooncake_synthetic")],
               "numbers/field.tex"],
     "sticky": ["figures/sticky/arithmetic.pdf", "figures/sticky/arithmetic.png", "tables/sticky/arithmetic.tex",
-               "tables/sticky/measurement.tex", "numbers/sticky.tex"],
+               "tables/sticky/measurement.tex", "tables/sticky/why.tex", "numbers/sticky.tex"],
 }
 PARAMS = {
     "kv_reuse": {"reported_dir": str(ROOT / "paper/reported")},
     "field": {"experiments_dir": str(ROOT / "config/experiments")},
     "note2": {"reported_dir": str(ROOT / "paper/reported"), "experiments_dir": str(ROOT / "config/experiments")},
     "tn4": {"reported_dir": str(ROOT / "paper/reported")},
-    "sticky": {"reported_dir": str(ROOT / "paper/reported")},
+    "sticky": {"reported_dir": str(ROOT / "paper/reported"), "experiments_dir": str(ROOT / "config/experiments")},
 }
 
 
@@ -262,12 +262,51 @@ def test_measured_cells_are_dashes_without_measurements(notebook_outputs):
     assert not (notebook_outputs / "figures/sticky/turn2_ttft.pdf").exists()
 
 
+def test_tn4_says_what_it_simulated_and_gives_differences_in_points(notebook_outputs):
+    nums = (notebook_outputs / "numbers/tn4.tex").read_text()
+    # hit-rate differences are percentage points: bare numbers the prose calls "points"
+    for name in ("kvTnMaxErrSticky", "kvTnMaxCfErrRandom", "kvTnMaxErrRRObserved"):
+        line = next(x for x in nums.splitlines() if "{\\" + name + "}" in x)
+        assert r"\num{" in line and r"\percent" not in line, line
+    assert r"\newcommand{\kvTnHardware}{\texttt{a6000x4}}" in nums
+    assert r"\newcommand{\kvTnSimHardware}{\texttt{a6000x2}, \texttt{a6000x4}}" in nums  # the sample's n = 2, 4
+    assert "with simulated" in (notebook_outputs / "tables/tn4/sweep.tex").read_text()
+
+
 def test_sticky_with_a_measurement(measured_results, tmp_path):
     _run("sticky", measured_results, tmp_path)
     nums = (tmp_path / "numbers/sticky.tex").read_text()
     assert r"\kvStickyMeasuredtrue" in nums and r"\kvStickyMeasStickyTtft" in nums
     assert (tmp_path / "figures/sticky/turn2_ttft.pdf").is_file()
     assert "measured" in (tmp_path / "tables/sticky/measurement.tex").read_text()
+    # what ran, from the profile and the records; no probe calibration here, so no prediction
+    assert r"\newcommand{\kvStickyDtype}{\texttt{float32}}" in nums and r"\kvStickyMeasTtftRatio" in nums
+    assert r"\kvStickyProbedfalse" in nums and "kvStickyPredRatio" not in nums
+    assert r"\textemdash" in (tmp_path / "tables/sticky/why.tex").read_text()
+
+
+def test_sticky_predicts_from_a_probe_calibration(measured_results, tmp_path):
+    """With results/calibration/probe/cpu.{yaml,csv} (as `kvroute calibrate --probe` writes
+    them; test data here) the note predicts both second turns beside the measurement."""
+    results = tmp_path / "results"
+    shutil.copytree(measured_results, results)
+    probe = results / "calibration" / "probe"
+    probe.mkdir(parents=True)
+    (probe / "cpu.yaml").write_text(yaml.safe_dump({"cpu-provisional": {
+        "mem_efficiency": 1.4, "compute_efficiency": 1.0, "step_overhead_ms": 4.0, "per_seq_overhead_ms": 0.3,
+        "activation_reserve_gb": 0.0, "api_overhead_ms": 6.5, "api_jitter_ms": 2.5,
+        "provenance": {"measured": {"api_cost_ms": {"value": 4.5}, "admission_ms": {"value": 2.0}}}}}))
+    pd.DataFrame([dict(level="probe", kind="prefill", used=True, words=w, prompt_tokens=n, ttft_ms=x + 30.0,
+                       engine_queue_s_ms=0.0, engine_prefill_s_ms=30.0)
+                  for w, n, x in ((128, 140, 5.0), (1500, 1512, 12.0), (1500, 1512, 14.0))]).to_csv(probe / "cpu.csv",
+                                                                                                     index=False)
+    _run("sticky", results, tmp_path / "out")
+    nums = (tmp_path / "out" / "numbers/sticky.tex").read_text()
+    assert r"\kvStickyProbedtrue" in nums
+    assert r"\newcommand{\kvStickyApiLong}{\qty{13.0}{\milli\second}}" in nums  # the 1,512-token probes
+    assert r"\newcommand{\kvStickyApiShort}{\qty{4.5}{\milli\second}}" in nums
+    why = (tmp_path / "out" / "tables/sticky/why.tex").read_text()
+    assert r"cold\,/\,warm" in why and r"\textemdash" not in why
 
 
 def test_note2_reports_a_calibration(sample_results, tmp_path):

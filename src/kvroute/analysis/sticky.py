@@ -100,3 +100,120 @@ def measurement_summary(records: pd.DataFrame) -> pd.DataFrame:
             "replicas_used": int(g["worker"].nunique()),
         })
     return pd.DataFrame(rows)
+
+
+# -- why the measured time ratio is smaller than the work ratio -----------------------------
+
+
+@dataclass(frozen=True)
+class TurnTwoTimes:
+    """Median tokens prefilled and median TTFT of warm and cold second turns.
+
+    A line through the two medians, ``ttft = fixed_ms + per_token_ms * prefilled``,
+    splits a turn's time into what it pays per prefilled token and what it pays
+    however much it prefills; the TTFT ratio equals the work ratio only when
+    ``fixed_ms`` is zero. NaN where one side has no turns.
+    """
+
+    warm_work: float
+    cold_work: float
+    warm_ttft_ms: float
+    cold_ttft_ms: float
+
+    @property
+    def work_ratio(self) -> float:
+        return self.cold_work / self.warm_work
+
+    @property
+    def ttft_ratio(self) -> float:
+        return self.cold_ttft_ms / self.warm_ttft_ms
+
+    @property
+    def per_token_ms(self) -> float:
+        return (self.cold_ttft_ms - self.warm_ttft_ms) / (self.cold_work - self.warm_work)
+
+    @property
+    def fixed_ms(self) -> float:
+        return self.warm_ttft_ms - self.per_token_ms * self.warm_work
+
+
+def turn_two_times(records: pd.DataFrame) -> TurnTwoTimes:
+    """:class:`TurnTwoTimes` of the second turns in ``records`` (all policies together:
+    a warm turn is the same work whichever policy sent it)."""
+    d = turn_two(records)
+    work = d["prompt_tokens"] - d["cached_tokens"]
+
+    def median(s: pd.Series) -> float:
+        return float(s.median()) if len(s) else np.nan
+
+    return TurnTwoTimes(median(work[d["warm"]]), median(work[~d["warm"]]),
+                        median(d.loc[d["warm"], "ttft_ms"]), median(d.loc[~d["warm"], "ttft_ms"]))
+
+
+def turn_sizes(records: pd.DataFrame) -> dict[str, float]:
+    """What the engines were sent, from the records: median prompt tokens of turns 1 and
+    2 (as the engine counts them, chat template included), median cached tokens of a
+    warm turn 2, median reply tokens, rounds, and second turns per policy and round."""
+    ok = records[records["status"] == "ok"]
+    d = turn_two(records)
+    per_round = d.groupby(["policy", "round"]).size()
+    return {
+        "turn1_prompt": float(ok.loc[ok["turn"] == 0, "prompt_tokens"].median()),
+        "turn2_prompt": float(d["prompt_tokens"].median()),
+        "warm_cached": float(d.loc[d["warm"], "cached_tokens"].median()) if d["warm"].any() else np.nan,
+        "reply": float(ok["output_tokens"].median()),
+        "rounds": int(records["round"].nunique()),
+        "trials_per_round": float(per_round.median()) if len(per_round) else np.nan,
+    }
+
+
+def api_cost_at_length(probes: pd.DataFrame, prompt_tokens: float) -> tuple[float, float, int]:
+    """The API server's cost for a long prompt, from ``kvroute calibrate --probe``'s
+    observations (``results/calibration/probe/HW.csv``).
+
+    The calibration measures the API server's cost on minimal prompts only; a long
+    prompt also has to be templated, tokenised and sent, warm or cold alike. Over the
+    used prefill probes of the probed length nearest ``prompt_tokens``: the median of
+    client TTFT less the engine's own queue and prefill time.
+
+    Returns:
+        (median cost in ms, those probes' median prompt tokens, how many probes).
+    """
+    need = {"level", "kind", "used", "words", "prompt_tokens", "ttft_ms", "engine_queue_s_ms", "engine_prefill_s_ms"}
+    missing = sorted(need - set(probes.columns))
+    if missing:
+        raise ValueError(f"probe observations: missing columns {missing}")
+    p = probes[(probes["level"] == "probe") & (probes["kind"] == "prefill") & probes["used"].astype(bool)]
+    p = p.dropna(subset=["ttft_ms", "engine_queue_s_ms", "engine_prefill_s_ms"])
+    if p.empty:
+        raise ValueError("probe observations: no used prefill probe with engine timings")
+    sizes = p.groupby("words")["prompt_tokens"].median()
+    words = (sizes - prompt_tokens).abs().idxmin()
+    g = p[p["words"] == words]
+    cost = g["ttft_ms"] - g["engine_queue_s_ms"] - g["engine_prefill_s_ms"]
+    return float(cost.median()), float(sizes[words]), len(g)
+
+
+def probe_costs(entry: dict) -> dict[str, float]:
+    """The API server's measured costs in a probe calibration's coefficients entry
+    (``provenance.measured``): ``api_cost_ms`` (a minimal prompt, outside the engine),
+    ``admission_ms`` (a request's first step beyond a step of its tokens) and
+    ``api_overhead_ms`` (their sum, what the simulator charges every request)."""
+    try:
+        measured = entry["provenance"]["measured"]
+        out = {k: float(measured[k]["value"]) for k in ("api_cost_ms", "admission_ms")}
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"probe calibration entry: no provenance.measured.{exc} value") from exc
+    out["api_overhead_ms"] = float(entry["api_overhead_ms"])
+    return out
+
+
+def predicted_ttft_ms(hw, prompt: int, cached: int, before_ms: float) -> float:
+    """TTFT the simulator's engine gives one request alone on ``hw``: ``before_ms`` (the
+    API server's cost before the engine sees it) plus the prefill of its uncached
+    tokens in chunks of ``max_num_batched_tokens``, one step each, through the cost model."""
+    from kvroute.costmodel import StepTimeModel
+    from kvroute.probefit import Observation, predict
+
+    work = Observation("prefill", int(prompt), int(cached), 1, np.nan)
+    return before_ms + predict(work, StepTimeModel.from_hardware(hw), hw.engine.max_num_batched_tokens)
