@@ -7,6 +7,7 @@ workloads, two rounds), written in a temporary folder once per session.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -345,3 +346,48 @@ def test_note_compiles(note, notebook_outputs, tmp_path):
     assert pdf.read_bytes().startswith(b"%PDF")
     last_run = (tmp_path / "latex.log").read_text().rsplit("Run number", 1)[-1]
     assert "undefined references" not in last_run and "Citation" not in last_run
+
+
+# ------------------------------------------------ every published number beside its rebuild
+
+#: which notebook shows each published file's figures
+REPORTED_BY = {"kv_reuse": "kv_reuse", "kv_reuse_findings": "kv_reuse", "note2": "note2", "note2_setup": "note2",
+               "sticky": "sticky"}
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w.])")
+
+
+def _shown_numbers(tex: str) -> list[tuple[float, int]]:
+    """(value, decimals shown) of every number in generated LaTeX (siunitx or plain)."""
+    tex = re.sub(r"\\(?:\\|[a-zA-Z]+)", " ", tex).replace("{", " ").replace("}", " ")
+    return [(float(m), len(m.split(".")[1]) if "." in m else 0) for m in _NUMBER.findall(tex)]
+
+
+def _shows(value: float, shown: list[tuple[float, int]]) -> bool:
+    """``value`` appears, as itself or in percent, to the precision it is shown with."""
+    return any(abs(n - v) <= 0.5 * 10 ** -d + 1e-9 for n, d in shown for v in (value, 100 * value))
+
+
+def test_every_published_figure_is_in_its_notes_generated_tables(notebook_outputs):
+    """Each row of paper/reported/*.csv is printed by its note's notebook (a table or a
+    macro), so a reader finds every number of the originals beside its rebuild."""
+    files = sorted((ROOT / "paper/reported").glob("*.csv"))
+    assert {f.stem for f in files} == set(REPORTED_BY), "a published file no notebook is said to show"
+    missing = []
+    for f in files:
+        nb = REPORTED_BY[f.stem]
+        name = {"kv_reuse": "kv-reuse"}.get(nb, nb)
+        tex = "\n".join(p.read_text() for p in [*(notebook_outputs / "tables" / name).glob("*.tex"),
+                                                 notebook_outputs / "numbers" / f"{name}.tex"])
+        shown = _shown_numbers(tex)
+        rep = pd.read_csv(f)
+        for r in rep.itertuples(index=False):
+            value = getattr(r, "value", None)
+            if value is not None and isinstance(value, (int, float)) and value == value:
+                if not _shows(float(value), shown):
+                    missing.append(f"{f.name}:{r[0]} = {value}")
+            elif hasattr(r, "published"):  # a setup row: text
+                from kvroute.analysis.tables import escape
+
+                if escape(str(r.published)) not in tex:
+                    missing.append(f"{f.name}:{r[0]} = {r.published!r}")
+    assert not missing, "published figures no generated table or macro shows:\n" + "\n".join(missing)
