@@ -213,6 +213,29 @@ def test_measure_rules_only_when_enabled(repo, capfd, tmp_path):
     assert "--rounds 2" in cpu_job, cpu_job
 
 
+def test_a_measurement_depends_on_the_policies_it_runs_only(repo, capfd, tmp_path):
+    """Editing kv_aware.py reruns note2-cpu's measurement (it runs kv_aware), not the
+    explainer's (sticky and random), nor the probe (it routes nothing)."""
+    on = tmp_path / "measure.yaml"
+    on.write_text(yaml.safe_dump({"measure": {"enabled": True, "probe": True, "runs": [
+        {"experiment": "note2-cpu", "hardware": "cpu"}, {"experiment": "explainer-two-replicas", "hardware": "cpu"}]}}))
+    _, text = dry_run(repo, capfd, targets=("measure",), configfiles=[repo / "config/config.yaml", on])
+    inputs = {}
+    for job in text.split("rule ")[1:]:
+        rule = job.split(":", 1)[0]
+        line = next((ln for ln in job.splitlines() if ln.strip().startswith("input:")), "")
+        out = next((ln for ln in job.splitlines() if ln.strip().startswith("output:")), "")
+        inputs[(rule, out)] = line
+    def job_inputs(rule, marker):
+        found = [v for (r, out), v in inputs.items() if r == rule and marker in out]
+        assert len(found) == 1, (rule, marker, list(inputs))
+        return found[0]
+    assert "policies/kv_aware.py" in job_inputs("measure_cpu", "note2-cpu")
+    explainer = job_inputs("measure_cpu", "explainer-two-replicas")
+    assert "policies/sticky.py" in explainer and "policies/kv_aware.py" not in explainer
+    assert "src/kvroute/policies/" not in job_inputs("probe", "calibration/probe")
+
+
 def test_a_dataset_workload_is_fetched_first(repo, capfd, tmp_path):
     """An experiment naming the Mooncake trace gets its trace's fetch job (download, else
     the copy; one per trace however many experiments read it), whose file the workload job

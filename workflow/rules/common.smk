@@ -19,6 +19,7 @@
 
 import functools
 import glob
+import os
 import re
 import sys
 from pathlib import Path
@@ -197,10 +198,11 @@ ARITHMETIC_SOURCES = SIM_SOURCES + _sources("src/kvroute/analysis/arithmetic*.py
 # What a measurement's results depend on: the live stack and what it imports (policies,
 # hashing, workloads, records), not the simulator's engine model, so editing the
 # simulator does not rerun real-engine measurements (the emulator is not measured here).
+# A measurement depends on the live stack and on the modules of the policies it runs
+# (get_measure_policy_sources), as a simulation does; the probe routes nothing, so no policy.
 LIVE_SOURCES = _sources(
     "src/kvroute/live/*.py", "src/kvroute/kvcache/*.py", "src/kvroute/hardware.py",
-    "src/kvroute/policies/*.py", "src/kvroute/workload/*.py", "src/kvroute/records.py",
-    "src/kvroute/experiment.py",
+    "src/kvroute/workload/*.py", "src/kvroute/records.py", "src/kvroute/experiment.py",
 )
 CALIBRATE_SOURCES = SIM_SOURCES + _sources("src/kvroute/calibrate.py", "src/kvroute/experiment.py")
 PROBE_SOURCES = LIVE_SOURCES + _sources("src/kvroute/calibrate*.py", "src/kvroute/probefit.py", "src/kvroute/gpufit.py", "src/kvroute/costmodel.py")
@@ -417,6 +419,19 @@ def get_measure_gpus(wildcards):
 
 def get_measure_experiment(wildcards):
     return experiment_file(wildcards.mexp)
+
+
+def get_measure_policy_sources(wildcards):
+    """The policy modules a measurement runs (kvroute.pipeline.policy_sources of each of its
+    kvroute policies; a production router runs as itself, through live/peers.py)."""
+    from kvroute.live.peers import is_peer_spec
+    from kvroute.pipeline import policy_sources
+
+    if not os.path.exists(experiment_file(wildcards.mexp)):
+        return []  # not an experiment: the missing file makes the rule not apply (calibrate's mexp=probe)
+    exp = _experiment(wildcards.mexp, "measure.runs")
+    specs = {p for _, pols in exp.runs for p in pols if not is_peer_spec(p)}
+    return sorted({f for p in specs for f in policy_sources(p)})
 
 
 def get_measure_rounds_arg(wildcards):

@@ -11,6 +11,7 @@ rule measure_gpu:
         experiment=get_measure_experiment,
         hardware=get_measure_hardware_files,
         sources=LIVE_SOURCES,
+        policy_sources=get_measure_policy_sources,  # the policies it runs, not every policy
     output:
         requests="results/measure/{mexp}/{mhw}/requests.parquet",
         summary="results/measure/{mexp}/{mhw}/summary.csv",
@@ -55,6 +56,7 @@ rule measure_cpu:
         experiment=get_measure_experiment,
         hardware=get_measure_hardware_files,
         sources=LIVE_SOURCES,
+        policy_sources=get_measure_policy_sources,  # the policies it runs, not every policy
         model=rules.tiny_model.output,
     output:
         requests="results/measure/{mexp}/{mhw}/requests.parquet",
