@@ -104,12 +104,13 @@ test: $(STAMP) services
 
 # The gateway benchmark measures the Rust routers beside kvroute: it needs $(ROUTERS_VENV).
 # Each script runs even when an earlier one reports a missed goal (exit 1); make bench fails then.
-bench: $(STAMP) routers
+bench: $(STAMP) routers engine-cpu
 	@status=0; \
 	$(BIN)/python benchmarks/sim_speed.py || status=1; \
 	$(BIN)/python benchmarks/mooncake_speed.py || status=1; \
 	$(BIN)/python benchmarks/note2_fidelity.py || status=1; \
 	$(BIN)/python benchmarks/gateway_latency.py || status=1; \
+	$(BIN)/python benchmarks/calibration_repeat.py || status=1; \
 	exit $$status
 
 # Re-pin every dependency from pyproject.toml into the locks (run after changing dependencies):

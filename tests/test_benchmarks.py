@@ -53,3 +53,25 @@ def test_mooncake_speed_benchmark_runs_and_reports_every_policy():
     assert [p for p, _ in rows] == ["round_robin", "least_loaded", "sticky", "kv_aware", "cost_aware"], text
     assert len({n for _, n in rows}) == 1 and int(rows[0][1]) > 0  # every policy replays the same requests
     assert "prefix-reuse bound" in text and re.search(r"^goal under 30 s per policy: not judged", text, re.M), text
+
+
+def test_calibration_repeat_compares_two_calibrations_against_their_errors(tmp_path):
+    """Two probe calibration files: a coefficient agrees when it moved by less than two
+    combined standard errors; the script exits 1 when more than one does not."""
+    def write(path, fitted, measured):
+        entry = {"provenance": {"fitted": {k: {"value": v, "se": s} for k, (v, s) in fitted.items()},
+                                "measured": {k: {"value": v, "se": s} for k, (v, s) in measured.items()}}}
+        path.write_text(__import__("yaml").safe_dump({"cpu-provisional": entry}))
+        return path
+    a = write(tmp_path / "a.yaml", {"compute_efficiency": (1.0, 0.05), "step_overhead_ms": (4.0, 0.5)},
+              {"api_cost_ms": (4.4, 0.3)})
+    b = write(tmp_path / "b.yaml", {"compute_efficiency": (1.05, 0.05), "step_overhead_ms": (9.0, 0.5)},
+              {"api_cost_ms": (4.5, 0.3)})
+    script = [sys.executable, str(ROOT / "benchmarks/calibration_repeat.py")]
+    out = subprocess.run([*script, str(a), str(b)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr  # one of three off: still "all but one"
+    assert "| step_overhead_ms | 4 (0.5) | 9 (0.5) | +5 | +7.07 | no |" in out.stdout
+    assert "2 of 3 coefficients agree" in out.stdout
+    c = write(tmp_path / "c.yaml", {"compute_efficiency": (2.0, 0.05), "step_overhead_ms": (9.0, 0.5)},
+              {"api_cost_ms": (4.5, 0.3)})
+    assert subprocess.run([*script, str(a), str(c)], capture_output=True, timeout=60, cwd=ROOT).returncode == 1
