@@ -322,7 +322,7 @@ def test_note2_reports_the_gateway_benchmark(sample_results, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("latexmk") is None, reason="latexmk is not installed: cannot compile a note")
-@pytest.mark.parametrize("note", ["tn4", "sticky", "field"])
+@pytest.mark.parametrize("note", ["tn4", "sticky", "field", "note2"])
 def test_note_compiles(note, notebook_outputs, tmp_path):
     import json
 
