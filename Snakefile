@@ -15,6 +15,7 @@ include: "workflow/rules/simulate.smk"
 if is_measure_enabled():
     include: "workflow/rules/measure.smk"
 include: "workflow/rules/validate.smk"
+include: "workflow/rules/gateway.smk"
 include: "workflow/rules/analyse.smk"
 include: "workflow/rules/notes.smk"
 include: "workflow/rules/manifest.smk"

@@ -11,7 +11,11 @@ targets take turns round by round instead of one after another):
   request's first event goes out on the first tick ``--pace-ttft-ms`` after it arrived
   (the numbers are the load's, not a model's: nothing here is a measured engine);
 * the targets: ``direct`` (the client picks the backend itself, one per chat),
-  ``kvroute`` (``kvroute gateway`` in its own process, uvloop, ``--policy``), and the
+  ``kvroute`` (``kvroute gateway`` in its own process, uvloop, ``--policy``),
+  ``kvroute-redis`` (the same gateway keeping its session table in a local redis-server
+  as well, ``--redis``: research note 2's gateway first added 50 ms per turn writing to
+  Redis one write after another; only with ``--targets``, and left out with a note when
+  no redis-server is installed), and the
   production routers ``sglang-router`` and ``vllm-router`` (Rust, from ``.venv-routers``,
   built by ``make routers``; ``--peer-policy``, cache_aware by default, like kvroute's
   kv_aware a prefix-cache-aware policy); without that environment the peers are left out
@@ -48,9 +52,16 @@ mostly CPU per request and time waiting for a core, and the client's share shows
 every target was driven alike (a router that coalesces a reply into fewer writes also
 saves the client reads). Exit status 1 when kvroute missed a goal on a judged load.
 
+``--csv FILE`` also writes one row per load and target (the table's figures and the
+router's CPU per request, with the run's settings) for the pipeline: rule
+``gateway_latency`` runs a short version into ``results/gateway/latency.csv``, which
+research note 2 cites. ``--no-goals`` exits 0 whatever the goals (the pipeline reports
+the figures; it does not judge them on a machine shared with other jobs' leftovers).
+
 Usage: python benchmarks/gateway_latency.py [--rounds 5] [--sequential 40] [--turns 4]
        [--concurrent 64] [--pace-ttft-ms 50] [--pace-itl-ms 20] [--pace-chunks 32]
        [--policy kv_aware] [--peer-policy cache_aware] [--targets kvroute,vllm-router]
+       [--loads sequential,paced] [--csv FILE] [--no-goals]
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -175,6 +187,17 @@ def start_process(args: list[str], url: str, timeout_s: float = 30.0) -> subproc
 
 
 def stop_process(proc: subprocess.Popen) -> None:
+    also = getattr(proc, "kvroute_also_stop", None)  # a process that goes with this one (its redis-server)
+    if also is not None:
+        try:
+            _stop(proc)
+        finally:
+            _stop(also)
+        return
+    _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
     if getattr(proc, "kvroute_peer", False):
         from kvroute.live.peers import stop_peer
 
@@ -192,14 +215,54 @@ def stop_process(proc: subprocess.Popen) -> None:
 # -- targets -------------------------------------------------------------------------
 
 
-def start_kvroute(backends: list[str], policy: str) -> tuple[str, subprocess.Popen]:
+def start_kvroute(backends: list[str], policy: str, redis_url: str | None = None) -> tuple[str, subprocess.Popen]:
     port = free_port()
     code = "from kvroute.live.gateway import gateway_command; gateway_command()"
     args = [sys.executable, "-c", code, "--policy", policy, "--port", str(port)]
     for i, b in enumerate(backends):
         args += ["--worker", f"w{i}={b}"]
+    if redis_url:
+        args += ["--redis", redis_url]
     url = f"http://127.0.0.1:{port}"
     return url, start_process(args, url)
+
+
+def redis_server_binary() -> str | None:
+    return shutil.which("redis-server") or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
+
+
+def start_redis() -> tuple[str, subprocess.Popen]:
+    """A throwaway local redis-server (no persistence) on a free port, answering PING."""
+    binary = redis_server_binary()
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--loglevel", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return f"redis://127.0.0.1:{port}/0", proc
+        except OSError:
+            time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"redis-server did not answer on port {port}")
+
+
+def start_kvroute_redis(backends: list[str], policy: str) -> tuple[str, subprocess.Popen]:
+    """kvroute's gateway with its session table in Redis too (the redis-server stops with it)."""
+    redis_url, redis = start_redis()
+    try:
+        url, proc = start_kvroute(backends, policy, redis_url)
+    except BaseException:
+        stop_process(redis)
+        raise
+    proc.kvroute_also_stop = redis
+    return url, proc
 
 
 PEER_POLICY = "cache_aware"  # set from --peer-policy
@@ -219,20 +282,23 @@ def _start_peer(router: str):
 #: name -> starter(backend URLs, policy) -> (URL, process); "direct" needs none.
 TARGETS: dict[str, Callable[[list[str], str], tuple[str, subprocess.Popen]]] = {
     "kvroute": start_kvroute,
+    "kvroute-redis": start_kvroute_redis,
     "sglang-router": _start_peer("sglang_router"),
     "vllm-router": _start_peer("vllm_router"),
 }
 RUST_ROUTERS = ("sglang-router", "vllm-router")
+#: measured only when --targets names them
+OPT_IN = ("kvroute-redis",)
 
 
 def default_targets() -> list[str]:
     from kvroute.live.peers import routers_available
 
     if routers_available():
-        return list(TARGETS)
+        return [t for t in TARGETS if t not in OPT_IN]
     print("note: .venv-routers is missing (`make routers` builds it): measuring kvroute without the "
           "production routers", file=sys.stderr)
-    return [t for t in TARGETS if t not in RUST_ROUTERS]
+    return [t for t in TARGETS if t not in RUST_ROUTERS and t not in OPT_IN]
 
 
 # -- the client ----------------------------------------------------------------------
@@ -393,6 +459,10 @@ def main() -> int:
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
                    help="give each router the last CPU to itself, this client and the backends the others, "
                    "as a router is deployed (default: on with 2 CPUs or more)")
+    p.add_argument("--loads", help=f"comma-separated loads to run, of {', '.join(m for m, *_ in LOADS)} (default: all)")
+    p.add_argument("--csv", type=Path, metavar="FILE", help="also write one row per load and target to FILE")
+    p.add_argument("--goals", action=argparse.BooleanOptionalAction, default=True,
+                   help="exit 1 when kvroute misses a goal on a judged load (--no-goals: report only)")
     p.add_argument("--serve-backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_backend:
@@ -403,6 +473,15 @@ def main() -> int:
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         p.error(f"unknown target(s) {', '.join(unknown)}; valid: {', '.join(TARGETS)}")
+    if "kvroute-redis" in targets and redis_server_binary() is None:
+        print("note: redis-server is not installed (apt-get install redis-server): leaving out kvroute-redis",
+              file=sys.stderr)
+        targets.remove("kvroute-redis")
+    loads = [m for m in args.loads.split(",") if m] if args.loads else [m for m, *_ in LOADS]
+    bad = [m for m in loads if m not in {m_ for m_, *_ in LOADS}]
+    if bad or not loads:
+        p.error(f"--loads: unknown load(s) {', '.join(bad) or '(none given)'}; valid: {', '.join(m for m, *_ in LOADS)}")
+    run_loads = [load for load in LOADS if load[0] in loads]
     try:
         import uvloop
 
@@ -410,7 +489,8 @@ def main() -> int:
     except ImportError:
         pass
 
-    modes = [m for m, *_ in LOADS]
+    modes = [m for m, *_ in run_loads]
+    kinds = {kind for *_, kind in run_loads}
     procs: list[subprocess.Popen] = []
     cpus = sorted(os.sched_getaffinity(0))
     router_cpus = {cpus[-1]} if args.pin else set(cpus)
@@ -421,6 +501,8 @@ def main() -> int:
         backend_procs: list[subprocess.Popen] = []
         for kind, chunks, ttft, itl in (("instant", args.chunks, 0.0, 0.0),
                                         ("paced", args.pace_chunks, args.pace_ttft_ms, args.pace_itl_ms)):
+            if kind not in kinds:
+                continue
             backend_sets[kind] = []
             for _ in range(2):
                 port = free_port()
@@ -455,7 +537,7 @@ def main() -> int:
         t_start = time.monotonic()
         for rnd in range(args.rounds):
             order = names if rnd % 2 == 0 else names[::-1]
-            for mode, size, concurrent, kind in LOADS:
+            for mode, size, concurrent, kind in run_loads:
                 n = getattr(args, size)
                 for t in order:
                     proc = router_proc[(t, kind)]
@@ -518,7 +600,8 @@ def report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wa
         n = {m: len(results[(t, m)]) + args.rounds for m in modes}
         r = " ".join(f"{cpu[(t, m)] / n[m] * 1e3:>11.3f}" if t != "direct" else f"{'-':>11}" for m in modes)
         k = " ".join(f"{client_cpu[(t, m)] / n[m] * 1e3:>11.3f}" for m in modes)
-        wait = f"{waited[(t, 'saturated')] / n['saturated'] * 1e3:>10.3f}" if t != "direct" else f"{'-':>10}"
+        wait = (f"{waited[(t, 'saturated')] / n['saturated'] * 1e3:>10.3f}" if t != "direct" and "saturated" in modes
+                else f"{'-':>10}")
         print(f"  {t:<13} {r} {k} {wait}")
     print("ratios (transit through the router / direct, p50 and p99):")
     for mode in modes:
@@ -551,7 +634,53 @@ def report(args, names, modes, results, cpu, client_cpu, waited, backend_cpu, wa
         judged = "" if mode in GOAL_LOADS else " [not judged: every process flat out on this machine's cores]"
         print(f"goal p50 added <= 1 ms ({mode}): {'met' if a50 <= 1.0 else 'NOT met'} ({a50:.3f} ms){judged}")
         missed |= not a50 <= 1.0 and mode in GOAL_LOADS and "kvroute" in names
-    return 1 if missed else 0
+    if args.csv:
+        write_csv(args, names, modes, results, cpu, wall)
+        print(f"wrote {args.csv}")
+    return 1 if missed and args.goals else 0
+
+
+#: the columns of --csv, one row per load and target
+CSV_COLUMNS = ("load", "target", "requests", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+               "transit_p50_ms", "transit_p99_ms", "added_p50_ms", "added_p99_ms", "router_cpu_ms_per_request",
+               "rounds", "turns", "chats", "pace_ttft_ms", "pace_itl_ms", "events_per_reply", "policy", "pinned",
+               "cpus", "wall_s")
+
+
+def write_csv(args, names, modes, results, cpu, wall) -> None:
+    """The report's figures as CSV (``CSV_COLUMNS``), written atomically: ``added`` is a
+    target's transit percentile less direct's (empty for direct), the router's CPU per
+    request all its threads (empty for direct)."""
+    import csv
+
+    rows = []
+    for mode in modes:
+        size, kind = next((size, kind) for m, size, _, kind in LOADS if m == mode)
+        d = [x[2] for x in results[("direct", mode)]]
+        for t in names:
+            r = results[(t, mode)]
+            ttft, e2e, transit = ([x[i] for x in r] for i in range(3))
+            routed = t != "direct"
+            rows.append({
+                "load": mode, "target": t, "requests": len(r),
+                "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "e2e_p50_ms": pct(e2e, 50),
+                "e2e_p99_ms": pct(e2e, 99), "transit_p50_ms": pct(transit, 50), "transit_p99_ms": pct(transit, 99),
+                "added_p50_ms": pct(transit, 50) - pct(d, 50) if routed else "",
+                "added_p99_ms": pct(transit, 99) - pct(d, 99) if routed else "",
+                "router_cpu_ms_per_request": cpu[(t, mode)] / (len(r) + args.rounds) * 1e3 if routed else "",
+                "rounds": args.rounds, "turns": args.turns, "chats": getattr(args, size),
+                "pace_ttft_ms": args.pace_ttft_ms if kind == "paced" else 0.0,
+                "pace_itl_ms": args.pace_itl_ms if kind == "paced" else 0.0,
+                "events_per_reply": args.pace_chunks if kind == "paced" else args.chunks,
+                "policy": args.policy, "pinned": bool(args.pin), "cpus": os.cpu_count(), "wall_s": round(wall, 1),
+            })
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.csv.with_name(f".{args.csv.name}.tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, args.csv)
 
 
 if __name__ == "__main__":

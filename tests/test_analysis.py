@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 from scipy import stats as st
 
 from kvroute.analysis import arithmetic as ar
@@ -391,6 +393,93 @@ def test_side_by_side_dashes_until_measured():
     t = note2.side_by_side([note2.Row("ttc", "e", "h", "kv_aware", "time_to_complete_s", 1)], {"e": sim}, {"e": None}, None)
     r = t.iloc[0]
     assert r.published == DASH and r.measured == DASH and str(r.simulated).startswith(r"\num{25.0 \pm")
+
+
+def test_range_verdicts_place_the_interval_not_the_rounded_mean():
+    from kvroute.analysis.stats import interval
+
+    rr = interval([63.5, 64.9, 66.3])  # 64.9 +- 3.5 (the 6-turn round-robin): wholly inside 61-75
+    assert rr.half == pytest.approx(3.5, abs=0.05)
+    assert note2.range_verdict(rr, 61, 75) == "inside"
+    assert note2.range_verdict(interval([75.0, 75.7, 76.4]), 61, 75) == "across the upper end of"
+    assert note2.range_verdict(interval([60.0, 61.0, 62.0]), 61, 75) == "across the lower end of"
+    assert note2.range_verdict(interval([87.8, 87.8, 87.8]), 89, 95) == "below"
+    assert note2.range_verdict(interval([96.0]), 89, 95) == "above"  # one round: the mean alone
+    with pytest.raises(ValueError, match="no simulated value"):
+        note2.range_verdict(interval([]), 1, 2)
+    with pytest.raises(ValueError, match="above hi"):
+        note2.range_verdict(rr, 75, 61)
+
+
+def test_differences_from_published_values():
+    assert note2.difference((29.2, 29.2), 27.8, points=False) == pytest.approx(100 * (27.8 / 29.2 - 1))
+    assert note2.difference((61.0, 75.0), 64.4, points=True) == 0.0
+    assert note2.difference((61.0, 75.0), 75.7, points=True) == pytest.approx(0.7)
+    assert note2.difference((-6.0, -3.0), 0.0, points=True) == pytest.approx(3.0)
+    assert math.isnan(note2.difference(None, 1.0, points=True))
+    assert str(note2.difference_cell(-5.2, False)) == r"\num{-5}\%"
+    assert str(note2.difference_cell(0.74, True)) == r"\num{0.7}\,pt"
+    assert note2.difference_cell(float("nan"), True) == DASH
+    pub = pd.DataFrame({"table": "least_loaded", "experiment": "*", "hardware": "h", "metric": ["m_change", "hit_rate"],
+                        "policy": ["a vs b", "b"], "value": [-0.06, 0.86], "value_hi": [-0.03, float("nan")],
+                        "source": "ref"})
+    change = note2.Row("c", "e", "h", "a vs b", "m_change", 1, percent=True, table="least_loaded")
+    assert str(note2.published_cell(pub, change)) == r"\num{-6} to \num{-3}"  # not a dash between minus signs
+    hit = note2.Row("h", "e", "h", "b", "hit_rate", 1, percent=True, table="least_loaded")
+    assert str(note2.published_cell(pub, hit)) == r"\num{86}"  # as published, not 86.0
+    assert note2.plural(1, "worker") == "1 worker" and note2.plural(4, "worker") == "4 workers"
+
+
+def test_paired_changes_gains_and_trends():
+    s = pd.DataFrame({"experiment": "e", "hardware": "h", "round": [0, 1, 0, 1],
+                      "policy": ["kv_aware", "kv_aware", "round_robin", "round_robin"],
+                      "time_to_complete_s": [9.0, 8.0, 10.0, 10.0], "load": float("nan")})
+    ch = note2.paired_change(s, "h", "kv_aware", "round_robin", "time_to_complete_s")
+    assert ch.n == 2 and ch.mean == pytest.approx(-0.15)
+    g = note2.gain(s, "time_to_complete_s")
+    assert list(g["gain"]) == pytest.approx([0.1, 0.2])
+    assert note2.trend([1, 17, 23]) == "rises" and note2.trend([27, 17, 10]) == "falls"
+    assert note2.trend([13, 17, 10]) == "not monotone" and note2.trend([5]) == "not monotone"
+
+
+def test_return_share_counts_later_turns_sent_back():
+    rq = pd.DataFrame({"experiment": "e", "hardware": "h", "policy": "p", "load": float("nan"), "round": 0,
+                       "status": "ok", "conversation": ["a", "a", "a", "b", "b"], "turn": [0, 1, 2, 0, 1],
+                       "worker": ["w0", "w0", "w1", "w1", "w1"]})
+    r = note2.return_share(rq).iloc[0]
+    assert r["later_turns"] == 3 and r["share"] == pytest.approx(2 / 3)
+
+
+def test_sweeps_must_share_the_base_draw(tmp_path):
+    from kvroute.experiment import load_experiment
+
+    root = Path(__file__).resolve().parents[1] / "config" / "experiments"
+    base = load_experiment(root / "note2-6turn.yaml")
+    for name, axis in note2.SWEEPS.items():
+        note2.sweep_matches_base(load_experiment(root / f"{name}.yaml"), base, axis)
+    raw = yaml.safe_load((root / "note2-turns.yaml").read_text())
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({**raw, "seed": 9}))
+    with pytest.raises(ValueError, match="seed 9 differs"):
+        note2.sweep_matches_base(load_experiment(tmp_path / "a.yaml"), base, "turns")
+    raw["workload"]["params"]["user_words"] = 75
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="differs from note2-6turn"):
+        note2.sweep_matches_base(load_experiment(tmp_path / "b.yaml"), base, "turns")
+
+
+def test_least_loaded_table_as_published():
+    pub = note2.read_published(Path(__file__).resolve().parents[1] / "paper" / "reported" / "note2.csv")
+    def summary(exp):
+        return pd.DataFrame({"experiment": exp, "hardware": "a6000x4", "round": [0, 1, 0, 1],
+                             "policy": ["kv_aware", "kv_aware", "least_loaded", "least_loaded"],
+                             "time_to_complete_s": [95.0, 95.0, 100.0, 100.0], "ttft_p90_ms": [50.0, 50.0, 100.0, 100.0],
+                             "hit_rate": [0.9, 0.9, 0.8, 0.8]})
+    t = note2.least_loaded_table({e: summary(e) for e in ("note2-6turn", "note2-20turn")}, pub)
+    assert list(t["chats"]) == ["6-turn", "20-turn", "20-turn", "6-turn", "20-turn"]
+    assert str(t.iloc[0]["simulated"]).startswith(r"\num{-5.0 \pm")
+    assert str(t.iloc[0]["difference"]) == r"\num{0.0}\,pt"  # -5% is inside the published 3 to 6% less
+    assert str(t.iloc[2]["difference"]) == r"\num{-17.0}\,pt"  # -50% against the published -33%
+    assert str(t.iloc[3]["published"]) == r"\num{86}" and str(t.iloc[3]["difference"]) == r"\num{-6.0}\,pt"
 
 
 def test_reported_files_have_sources():

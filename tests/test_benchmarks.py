@@ -75,3 +75,42 @@ def test_calibration_repeat_compares_two_calibrations_against_their_errors(tmp_p
     c = write(tmp_path / "c.yaml", {"compute_efficiency": (2.0, 0.05), "step_overhead_ms": (9.0, 0.5)},
               {"api_cost_ms": (4.5, 0.3)})
     assert subprocess.run([*script, str(a), str(c)], capture_output=True, timeout=60, cwd=ROOT).returncode == 1
+
+
+def test_gateway_latency_benchmark_writes_its_csv(tmp_path):
+    """The pipeline's short run (rule gateway_latency): chosen loads and targets, one row per
+    load and target in --csv, exit 0 with --no-goals; kvroute-redis only where a
+    redis-server is installed, and a note naming it where not."""
+    import shutil
+
+    import pandas as pd
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    csv = tmp_path / "gateway" / "latency.csv"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gateway_latency.py"), "--rounds", "1", "--sequential", "2",
+         "--concurrent", "4", "--turns", "2", "--pace-chunks", "3", "--pace-ttft-ms", "10", "--pace-itl-ms", "5",
+         "--targets", "kvroute,kvroute-redis", "--loads", "sequential,paced", "--no-goals", "--csv", str(csv)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    df = pd.read_csv(csv)
+    have_redis = shutil.which("redis-server") is not None or os.path.exists("/usr/bin/redis-server")
+    targets = ["direct", "kvroute"] + (["kvroute-redis"] if have_redis else [])
+    assert list(zip(df["load"], df["target"])) == [(load, t) for load in ("sequential", "paced") for t in targets]
+    if not have_redis:
+        assert "redis-server is not installed" in out.stderr
+    assert (df["requests"] == df["load"].map({"sequential": 2 * 2, "paced": 4 * 2})).all()
+    routed = df[df["target"] != "direct"]
+    # CPU from /proc in clock ticks: a few requests may round to zero
+    assert routed["added_p50_ms"].notna().all() and (routed["router_cpu_ms_per_request"] >= 0).all()
+    assert df[df["target"] == "direct"]["added_p50_ms"].isna().all()
+    assert (df[df["load"] == "paced"]["pace_ttft_ms"] == 10).all() and (df[df["load"] == "sequential"]["pace_ttft_ms"] == 0).all()
+    assert "saturated" not in out.stdout.split("CPU per request")[0]  # only the loads asked for
+
+
+def test_gateway_latency_benchmark_rejects_an_unknown_load():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/gateway_latency.py"), "--loads", "sequential,burst"],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert out.returncode == 2 and "--loads: unknown load(s) burst" in out.stderr

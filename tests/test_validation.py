@@ -72,7 +72,9 @@ def test_published_rows_ranges_changes_and_unstated_chat_lengths():
                      _summary("least_loaded", [100, 100], [0.95, 0.95], exp="note2-20turn", hw="a6000x4"),
                      _summary("kv_aware", [24, 24], [0.88, 0.88], exp="note2-6turn", hw="a6000x4"),
                      _summary("least_loaded", [24, 24], [0.88, 0.88], exp="note2-6turn", hw="a6000x4"),
-                     _summary("kv_aware", [1, 1], [0.5, 0.5], exp="other", hw="a6000x4")])
+                     _summary("kv_aware", [1, 1], [0.5, 0.5], exp="other", hw="a6000x4"),
+                     _summary("kv_aware", [2, 2], [0.6, 0.6], exp="note2-turns", hw="a6000x4")
+                     .assign(load_param="turns", load=[2, 12])])
     rep = pd.DataFrame([
         {"experiment": "*", "hardware": "a6000x4", "policy": "kv_aware", "metric": "hit_rate", "value": 0.89,
          "value_hi": 0.95, "note": "note2"},
@@ -83,7 +85,8 @@ def test_published_rows_ranges_changes_and_unstated_chat_lengths():
     ])
     out = published_rows(sim, rep, in_sample=never)
     hits = out[out["metric"] == "hit_rate"].set_index("experiment")
-    assert set(hits.index) == {"note2-6turn", "note2-20turn"}  # `*`: the note's experiments only, not `other`
+    # `*`: the note's experiments only, not `other`, nor a sweep of the note's (a load axis)
+    assert set(hits.index) == {"note2-6turn", "note2-20turn"}
     assert hits.loc["note2-20turn", "rel_error"] == 0  # inside the range
     assert hits.loc["note2-6turn", "rel_error"] == pytest.approx(0.88 / 0.89 - 1)  # to the nearer end
     ttc = out[out["metric"] == "time_to_complete_s"].iloc[0]

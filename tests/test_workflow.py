@@ -31,7 +31,7 @@ import yaml
 from kvroute.experiment import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ["Snakefile", "workflow", "config", "hardware", "envs", "src", "notebooks", "paper", "data"]
+COPIED = ["Snakefile", "workflow", "config", "hardware", "envs", "src", "notebooks", "paper", "data", "benchmarks"]
 
 
 def _config(repo: Path) -> dict:
@@ -144,6 +144,8 @@ def expected_fresh_jobs(repo: Path) -> Counter:
         fetch_mooncake=len({e.workload["params"]["name"] for e in exps if e.workload.get("dataset") == "mooncake"}),
         # one search per experiment whose load is its operating point (kv-reuse)
         operating_point=sum(1 for e in exps if e.operating_point is not None),
+        # the gateway's added latency, when an analysis reads it (note 2)
+        gateway_latency=int(any("results/gateway/latency.csv" in a.get("inputs", []) for a in cfg["analyses"])),
     )
     for a in cfg["analyses"]:
         jobs[f"analyse_{a['notebook']}"] = 1

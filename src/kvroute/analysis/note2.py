@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from kvroute.analysis.stats import Interval, interval
@@ -19,6 +20,10 @@ from kvroute.analysis.tables import DASH, Tex, fmt, num, num_ci
 
 #: experiments the note reads (simulated; measured where the hardware exists)
 EXPERIMENTS = ("note2-6turn", "note2-20turn", "note2-a100", "note2-large")
+#: the sweeps that test the analysis's claims (one round each), the base experiment whose
+#: round 0 is each sweep's middle point, and what each varies
+SWEEPS = {"note2-workers": "workers", "note2-turns": "turns", "note2-replies": "reply_tokens"}
+SWEEP_BASE = "note2-6turn"
 
 
 @dataclass(frozen=True)
@@ -44,24 +49,90 @@ def read_published(path: Path) -> pd.DataFrame:
     return pub
 
 
-def published_cell(pub: pd.DataFrame | None, row: Row) -> Tex:
-    """The published value (or range) for ``row``, a dash when the reference gives none.
+def published_range(pub: pd.DataFrame | None, row: Row) -> tuple[float, float] | None:
+    """The published value of ``row`` as (low, high) in the row's units (percent where
+    ``row.percent``; low == high for a single value), None when the reference gives none.
 
     Only a value published in the same table counts: the least-loaded comparison
     does not borrow Table 2's KV-aware figures, which may come from other runs.
     """
     if pub is None:
-        return DASH
+        return None
     m = pub[(pub["table"] == row.table) & (pub["metric"] == row.metric) & (pub["policy"] == row.policy)
             & pub["experiment"].isin([row.experiment, "*"]) & pub["hardware"].isin([row.hardware, "*"])]
     if m.empty:
-        return DASH
+        return None
     r = m.iloc[0]
     k = 100 if row.percent else 1
-    if pd.notna(r.get("value_hi")):
-        lo, hi = fmt(r["value"] * k, 0 if row.percent else row.digits), fmt(r["value_hi"] * k, 0 if row.percent else row.digits)
-        return Tex(rf"\numrange{{{lo}}}{{{hi}}}")
-    return num(r["value"] * k, row.digits)
+    lo = float(r["value"]) * k
+    return (lo, float(r["value_hi"]) * k) if pd.notna(r.get("value_hi")) else (lo, lo)
+
+
+def published_cell(pub: pd.DataFrame | None, row: Row) -> Tex:
+    """The published value (or range) for ``row``, a dash when the reference gives none."""
+    given = published_range(pub, row)
+    if given is None:
+        return DASH
+    lo, hi = given
+    # a percentage with the decimals it was published with (86%, 72.8%), a time with the row's
+    d = max(_decimals(lo, row.digits), _decimals(hi, row.digits)) if row.percent else row.digits
+    if lo != hi:  # "-6 to -3": a dash between negative numbers reads as a minus
+        return (Tex(rf"\num{{{fmt(lo, d)}}} to \num{{{fmt(hi, d)}}}") if min(lo, hi) < 0
+                else Tex(rf"\numrange{{{fmt(lo, d)}}}{{{fmt(hi, d)}}}"))
+    return num(lo, d)
+
+
+def _decimals(x: float, most: int) -> int:
+    """The fewest decimals (at most ``most``) that show ``x`` without rounding it."""
+    return next((d for d in range(most) if abs(round(x, d) - x) < 1e-9), most)
+
+
+def difference(given: tuple[float, float] | None, value: float, points: bool) -> float:
+    """How far ``value`` is from a published value or range: in points (a percentage or a
+    relative change: to the nearer end of a range, 0 inside it) when ``points``, else
+    relative, in percent (to the single value or the nearer end). NaN when nothing was
+    published or ``value`` is missing."""
+    if given is None or not np.isfinite(value):
+        return float("nan")
+    lo, hi = sorted(given)
+    if lo <= value <= hi:
+        return 0.0
+    ref = lo if value < lo else hi
+    if points:
+        return value - ref
+    return 100 * (value / ref - 1) if ref else float("nan")
+
+
+def difference_cell(diff: float, points: bool) -> Tex:
+    """``\\num{-5}\\%`` (relative) or ``\\num{0.7}\\,pt`` (points); a dash for NaN."""
+    if not np.isfinite(diff):
+        return DASH
+    return Tex(rf"\num{{{fmt(diff, 1)}}}\,pt") if points else Tex(rf"\num{{{fmt(diff, 0)}}}\%")
+
+
+#: how :func:`range_verdict` places a value against a published range
+INSIDE, ABOVE, BELOW, ACROSS_HIGH, ACROSS_LOW = ("inside", "above", "below", "across the upper end of",
+                                                 "across the lower end of")
+
+
+def range_verdict(iv: Interval, lo: float, hi: float) -> str:
+    """Where a simulated mean and its interval over rounds lie against a published range
+    [lo, hi] (a single value: lo == hi): wholly ``inside``, wholly ``above`` or
+    ``below``, or across one end (the interval reaches both sides of it). Without an
+    interval (one round) the mean alone decides. Words to put before "the range"."""
+    if iv.n == 0 or not np.isfinite(iv.mean):
+        raise ValueError("range_verdict: no simulated value")
+    if lo > hi:
+        raise ValueError(f"range_verdict: lo {lo!r} is above hi {hi!r}")
+    half = iv.half if iv.has_interval else 0.0
+    a, b = iv.mean - half, iv.mean + half
+    if lo <= a and b <= hi:
+        return INSIDE
+    if a > hi:
+        return ABOVE
+    if b < lo:
+        return BELOW
+    return ACROSS_HIGH if b > hi else ACROSS_LOW
 
 
 def rounds_interval(summary: pd.DataFrame | None, row: Row) -> Interval:
@@ -81,7 +152,9 @@ def side_by_side(
     pub: pd.DataFrame | None,
     policy_names: dict[str, str] | None = None,
 ) -> pd.DataFrame:
-    """A frame ``measure | policy | published | simulated | measured`` of LaTeX cells."""
+    """A frame ``measure | policy | published | simulated | difference | measured`` of
+    LaTeX cells; the difference is the simulated mean's from the published value
+    (:func:`difference`: points for a percentage, else percent)."""
     names = policy_names or {}
     out = []
     for r in rows:
@@ -92,9 +165,80 @@ def side_by_side(
             "policy": r.shown if r.shown is not None else names.get(r.policy, r.policy),
             "published": published_cell(pub, r),
             "simulated": num_ci(sim, r.digits),
+            "difference": difference_cell(difference(published_range(pub, r), sim.mean, r.percent), r.percent),
             "measured": num_ci(meas, r.digits),
         })
     return pd.DataFrame(out)
+
+
+def any_measured(rows: Sequence[Row], measured: dict[str, pd.DataFrame | None]) -> bool:
+    """Whether any row has a measured value (else a table leaves its measured column out)."""
+    return any(rounds_interval(measured.get(r.experiment), r).n > 0 for r in rows)
+
+
+def paired_change(summary: pd.DataFrame, hardware: str, policy: str, base: str, metric: str,
+                  experiment: str | None = None) -> Interval:
+    """``policy``'s ``metric`` relative to ``base``'s, ``policy / base - 1`` round by round
+    (the policies of a round replay the same workload), with its interval over rounds."""
+    s = summary[summary["hardware"] == hardware]
+    if experiment is not None:
+        s = s[s["experiment"] == experiment]
+    a = s[s["policy"] == policy].set_index("round")[metric]
+    b = s[s["policy"] == base].set_index("round")[metric]
+    both = a.index.intersection(b.index)
+    return interval(a[both] / b[both] - 1)
+
+
+def return_share(records: pd.DataFrame) -> pd.DataFrame:
+    """Per (experiment, hardware, policy, load, round): the share of later turns (turn > 0)
+    routed to the worker that served the same conversation's previous turn, column
+    ``share``. Round-robin over n workers returns a turn there about one time in n if
+    the turns are independent of the rotation; a policy that keeps locality, always."""
+    keys = ["experiment", "hardware", "policy", "load", "round"]
+    r = records[records["status"] == "ok"].sort_values([*keys, "conversation", "turn"])
+    prev = r.groupby([*keys, "conversation"], dropna=False)["worker"].shift()
+    later = r["turn"] > 0
+    back = (r["worker"] == prev)[later]
+    out = back.groupby([r.loc[later, k] for k in keys], dropna=False).agg(["mean", "size"]).reset_index()
+    return out.rename(columns={"mean": "share", "size": "later_turns"})
+
+
+def gain(summary: pd.DataFrame, metric: str, policy: str = "kv_aware", base: str = "round_robin") -> pd.DataFrame:
+    """Per (experiment, hardware, load, round): ``1 - policy / base`` of ``metric``, the
+    saving of ``policy`` over ``base`` (positive when ``policy`` is lower), column ``gain``."""
+    keys = ["experiment", "hardware", "load", "round"]
+    s = summary.assign(load=summary["load"] if "load" in summary else float("nan"))
+    a = s[s["policy"] == policy].set_index(keys)[metric]
+    b = s[s["policy"] == base].set_index(keys)[metric]
+    both = a.index.intersection(b.index)
+    return (1 - a[both] / b[both]).rename("gain").reset_index()
+
+
+def trend(values: Sequence[float]) -> str:
+    """``rises`` or ``falls`` when every step goes that way, else ``not monotone``."""
+    d = np.diff(np.asarray(values, dtype=float))
+    if len(d) and (d > 0).all():
+        return "rises"
+    if len(d) and (d < 0).all():
+        return "falls"
+    return "not monotone"
+
+
+def sweep_matches_base(sweep, base, axis: str) -> None:
+    """Check that a sweep's middle point may be the base experiment's round 0: the same
+    seed and the same workload apart from the swept parameter (``workers`` sweeps the
+    hardware instead). ValueError naming what differs."""
+    if sweep.seed != base.seed:
+        raise ValueError(f"experiment {sweep.name}: seed {sweep.seed} differs from {base.name}'s {base.seed}; "
+                         f"its middle point is {base.name}'s round 0")
+    drop = {sweep.load.param} if sweep.load is not None else set()
+    if axis != "workers" and sweep.load is None:
+        raise ValueError(f"experiment {sweep.name}: no load axis over {axis}")
+    a = {k: v for k, v in sweep.workload.get("params", {}).items() if k not in drop}
+    b = {k: v for k, v in base.workload.get("params", {}).items() if k not in drop}
+    if sweep.workload.get("generator") != base.workload.get("generator") or a != b:
+        raise ValueError(f"experiment {sweep.name}: workload {sweep.workload} differs from {base.name}'s "
+                         f"{base.workload} beyond {axis}")
 
 
 def table2_rows() -> list[Row]:
@@ -111,15 +255,41 @@ def table2_rows() -> list[Row]:
     return rows
 
 
-def least_loaded_rows() -> list[Row]:
-    rows = []
-    for pol in ("kv_aware", "least_loaded"):
-        rows.append(Row("time to complete (s), 20-turn", "note2-20turn", "a6000x4", pol, "time_to_complete_s", 1,
-                        table="least_loaded"))
-    for pol in ("kv_aware", "least_loaded"):
-        rows.append(Row("p90 TTFT (ms), 20-turn", "note2-20turn", "a6000x4", pol, "ttft_p90_ms", 0,
-                        table="least_loaded"))
-    return rows
+#: the chat lengths of the least-loaded comparison: (experiment, label)
+CHATS = (("note2-6turn", "6-turn"), ("note2-20turn", "20-turn"))
+#: the note's relative figures of KV-aware against least-loaded: (label, metric, chat
+#: lengths); published as ``<metric>_change`` of policy ``kv_aware vs least_loaded``
+LL_CHANGES = (("time to complete, change (%)", "time_to_complete_s", ("note2-6turn", "note2-20turn")),
+              ("p90 TTFT, change (%)", "ttft_p90_ms", ("note2-20turn",)))
+
+
+def least_loaded_table(sims: dict[str, pd.DataFrame | None], pub: pd.DataFrame | None,
+                       hardware: str = "a6000x4") -> pd.DataFrame:
+    """KV-aware against least-loaded as the note published it: ``measure | chats |
+    published | simulated | difference``. The changes (KV-aware / least-loaded - 1) are
+    paired round by round (:func:`paired_change`), in percent; least-loaded's hit rate in
+    percent; the difference in points (:func:`difference`). A figure whose chat length
+    the note does not state is shown for both."""
+    label = dict(CHATS)
+    out = []
+    for measure, metric, exps in LL_CHANGES:
+        for exp in exps:
+            row = Row(measure, exp, hardware, "kv_aware vs least_loaded", f"{metric}_change", 1, percent=True,
+                      table="least_loaded")
+            s = sims.get(exp)
+            iv = (paired_change(s, hardware, "kv_aware", "least_loaded", metric) if s is not None else interval([]))
+            iv = Interval(100 * iv.mean, 100 * iv.lo, 100 * iv.hi, 100 * iv.half, iv.n) if iv.n else iv
+            out.append({"measure": measure, "chats": label[exp], "published": published_cell(pub, row),
+                        "simulated": num_ci(iv, 1),
+                        "difference": difference_cell(difference(published_range(pub, row), iv.mean, True), True)})
+    for exp, chats in CHATS:
+        row = Row("least-loaded hit rate (%)", exp, hardware, "least_loaded", "hit_rate", 1, percent=True,
+                  table="least_loaded")
+        iv = rounds_interval(sims.get(exp), row)
+        out.append({"measure": row.label, "chats": chats, "published": published_cell(pub, row),
+                    "simulated": num_ci(iv, 1),
+                    "difference": difference_cell(difference(published_range(pub, row), iv.mean, True), True)})
+    return pd.DataFrame(out)
 
 
 #: research note 2's three A100 arrangements: (label, hardware, policy)
@@ -143,6 +313,11 @@ def table3_rows() -> list[Row]:
 def change(a: float, b: float) -> float:
     """Relative change from a to b (b / a - 1)."""
     return b / a - 1 if a else float("nan")
+
+
+def plural(n: int, word: str) -> str:
+    """``1 worker``, ``4 workers``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def setup_table(experiments: dict, setup_csv: Path | None, policy_names: dict[str, str]) -> pd.DataFrame:
@@ -176,9 +351,10 @@ def setup_table(experiments: dict, setup_csv: Path | None, policy_names: dict[st
     rounds = sorted({e.rounds for e in experiments.values()})
     rebuild = {
         "model": f"{main.model.name} ({main.model.params / 1e9:.2f} B parameters, BF16)",
-        "engine": f"simulated {main.engine.kind} {main.engine.version}-style engine: prefix caching on, "
+        "engine": f"simulated {main.engine.kind.replace('vllm', 'vLLM')} {main.engine.version}-style engine: "
+                  "prefix caching on, "
                   f"{main.engine.block_size}-token blocks, chunked prefill of {main.engine.max_num_batched_tokens} tokens",
-        "hardware": "; ".join(f"{h.name}: {h.gpus} x {h.gpu_name}, {h.workers} worker(s)" for h in profiles),
+        "hardware": "; ".join(f"{h.name}: {h.gpus} x {h.gpu_name}, {plural(h.workers, 'worker')}" for h in profiles),
         "traffic": f"{p['chats']} chats at once, closed loop, starts spread over {p['ramp_s']:g} s",
         "prompts": f"{p['system_words']}-word system prompt ({words_to_tokens(p['system_words'], tpw)} tokens) shared by "
                    f"every chat; {p['user_words']}-word user turns ({words_to_tokens(p['user_words'], tpw)} tokens); "
@@ -273,7 +449,9 @@ def validation_table(rows: pd.DataFrame, arrangement: dict[tuple[str, str], str]
             given = num_ci(Interval(k * r.measured, k * r.measured_lo, k * r.measured_hi, k * half, 2) if half is not None
                            else interval([k * r.measured]), d)
         elif pd.notna(r.measured_lo) and pd.notna(r.measured_hi) and r.measured_lo != r.measured_hi:
-            given = Tex(rf"\numrange{{{fmt(k * r.measured_lo, d)}}}{{{fmt(k * r.measured_hi, d)}}}")
+            lo, hi = fmt(k * r.measured_lo, d), fmt(k * r.measured_hi, d)
+            given = (Tex(rf"\num{{{lo}}} to \num{{{hi}}}") if min(r.measured_lo, r.measured_hi) < 0
+                     else Tex(rf"\numrange{{{lo}}}{{{hi}}}"))
         else:
             given = num(k * r.measured, d)
         pol = (arrangement or {}).get((r.hardware, r.policy))

@@ -151,17 +151,19 @@ def published_rows(
     """Every published figure of ``reported`` (``paper/reported/*.csv`` rows with a metric)
     beside its prediction from ``sim``. An experiment ``*`` (a figure whose chat length the
     original does not state) gives one row per simulated experiment of that note (named
-    after the reported file: ``note2.csv`` -> ``note2-*``) on that hardware. A hardware
-    ``*`` (an original whose hardware is not published) gives one row per profile the
-    experiment was simulated on. ``anchors``: (experiment, policy, metric) figures the
-    simulation was matched to (an operating point's target), in sample whatever the
-    coefficients."""
+    after the reported file: ``note2.csv`` -> ``note2-*``) on that hardware, except its
+    sweeps (experiments with a load axis): they vary the workload the figure was
+    published for. A hardware ``*`` (an original whose hardware is not published) gives
+    one row per profile the experiment was simulated on. ``anchors``: (experiment, policy,
+    metric) figures the simulation was matched to (an operating point's target), in sample
+    whatever the coefficients."""
     if sim.empty:
         return pd.DataFrame(columns=list(COLUMNS))
     rows = []
     for r in reported[reported["metric"].notna()].itertuples(index=False):
         if r.experiment == "*":
-            on_hw = sim.loc[sim["hardware"] == r.hardware, "experiment"].unique()
+            swept = sim["load_param"].notna() if "load_param" in sim else pd.Series(False, index=sim.index)
+            on_hw = sim.loc[(sim["hardware"] == r.hardware) & ~swept, "experiment"].unique()
             exps = sorted(e for e in on_hw if e.startswith(f"{r.note}-"))
         else:
             exps = [r.experiment]
