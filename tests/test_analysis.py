@@ -596,7 +596,10 @@ def test_manifest_tex_never_drops_a_key():
     assert r"\texttt{sim/replay} & replayed & \textemdash" in plain  # listed by its kind, no records
     assert r"\texttt{broken} & \emph{could not be read:} hardware/broken.yaml: unknown key 'gpux'" in plain
     # a known key of an unexpected shape falls back whole, under its own name
-    odd = _plain(render({"hardware": ["a6000x4"], "config_hash": "none", "commit": "test"}))
+    odd = _plain(render({"hardware": ["a6000x4"], "config_hash": "none", "commit": "test",
+                         "results": {"sim/x": {"sources": "sim", "rows": 3}}}))
+    assert r"1 result folder under" in odd and r"\texttt{sim/x} & \textemdash & \num{3}" in odd  # kind unknown
+    assert r"\texttt{results.sim/x.sources} & \texttt{sim}" in odd
     assert r"\texttt{hardware} & \texttt{a6000x4}" in odd and r"\texttt{config_hash} & \texttt{none}" in odd
     assert r"Commit & \texttt{test}" in odd
     # the renderer also takes what the workflow writes with no git and no results

@@ -150,7 +150,7 @@ def _longtable(columns: list[tuple[float, str]], header: list[str] | None, body:
     spec = "@{}" + "".join(_column(s, a) for s, a in columns) + "@{}"
     rows = [i for i, line in enumerate(body) if line.endswith(r" \\")]
     body = list(body)
-    for i in {rows[0], rows[-2]} if len(rows) > 2 else set():
+    for i in {rows[0], rows[-2]} if len(rows) >= 2 else set():
         body[i] += "*"
     lines = [rf"\begin{{longtable}}{{{spec}}}", r"\toprule"]
     if header is not None:
@@ -235,12 +235,13 @@ def _configuration(entries: dict) -> tuple[list[str], Rows]:
     for folder, files in groups.items():
         if body:
             body.append(r"\addlinespace")
-        if folder != ".":
+        indent = r"\quad" if folder != "." else ""
+        if indent:
             body.append(_span(2, rf"\emph{{in}} {_tt(folder + '/')}"))
         for name, digest in files:
             text = str(digest)
             shown = (_tt(text[:HASH_DIGITS]) + r"\ldots") if re.fullmatch(r"[0-9a-f]{40,}", text) else _tt(text)
-            body.append(rf"\quad{_tt(name)} & {shown} \\")
+            body.append(rf"{indent}{_tt(name)} & {shown} \\")
     header = ["File", rf"SHA-256 (first {HASH_DIGITS} hex digits)"]
     return _longtable([(0.6, "l"), (0.4, "l")], header, body), []
 
@@ -261,10 +262,11 @@ def _results(entries: dict) -> tuple[list[str], Rows]:
     rows: dict[str, tuple[list[str], object]] = {}
     for folder, info in results.items():
         info = info if isinstance(info, dict) else {"value": info}
-        own = [SOURCE_KINDS.get(str(s), str(s)) for s in info.get("sources", [])] if isinstance(
-            info.get("sources", []), list) else []
+        recorded = info.get("sources", [])  # the records' own source values: sim | live | emulated
+        shown = {"rows"} | ({"sources"} if isinstance(recorded, list) else set())
+        own = [SOURCE_KINDS.get(str(s), str(s)) for s in recorded] if "sources" in shown else []
         rows[folder] = (kinds.get(folder) or own, info.get("rows"))
-        rest += _rows([(f"results.{folder}.{k}", v) for k, v in info.items() if k not in ("sources", "rows")])
+        rest += _rows([(f"results.{folder}.{k}", v) for k, v in info.items() if k not in shown])
     for folder, kind in kinds.items():
         rows.setdefault(folder, (kind, None))
     order = {k: i for i, k in enumerate(KINDS)}
@@ -272,13 +274,13 @@ def _results(entries: dict) -> tuple[list[str], Rows]:
     def rank(item: tuple[str, tuple[list[str], object]]) -> int:
         return min((order.get(k, len(KINDS)) for k in item[1][0]), default=len(KINDS) + 1)
 
-    body = [rf"{_tt(folder)} & {escape(', '.join(kind) or DASH)} & {_count(n)} \\"
+    body = [rf"{_tt(folder)} & {escape(', '.join(kind)) or DASH} & {_count(n)} \\"
             for folder, (kind, n) in sorted(rows.items(), key=rank)]
     if not body:
         return [r"No result folder was found."], rest
     tally = {k: sum(k in kind for kind, _ in rows.values()) for k in dict.fromkeys([*KINDS, *sources])}
     total = sum(n for _, n in rows.values() if isinstance(n, int) and not isinstance(n, bool))
-    intro = (rf"{len(rows)} result folders under \texttt{{results/}}: "
+    intro = (rf"{len(rows)} result folder{'s' if len(rows) != 1 else ''} under \texttt{{results/}}: "
              + ", ".join(f"{n} {escape(k)}" for k, n in tally.items())
              + rf"; \num{{{total}}} records in all. Simulated: kvroute's discrete-event simulator; "
              r"measured: requests to real engines; emulated: kvroute's engine emulator in place of real engines.")
