@@ -570,7 +570,10 @@ def test_manifest_tex_reads_as_provenance(tmp_path):
     assert r"\texttt{kvroute} & 0.1.0 & \texttt{numpy} & 2.4.6 & \texttt{snakemake} & 9.27.1 \\" in plain
     body = "\n".join(line for line in text.splitlines() if not line.startswith("%"))
     assert "_" not in body.replace(r"\_", "")  # escaped throughout
-    assert text.count(r"\begin{longtable}") == text.count(r"\end{longtable}") == 8  # tables break across pages
+    # the long tables break across pages; the two short ones (source, host) are boxes kept with their heading
+    assert text.count(r"\begin{longtable}") == text.count(r"\end{longtable}") == 6
+    assert text.count(r"\begin{tabular}") == 2
+    assert text.count(r"\kvManifestNeedSpace{") == 4 + 2  # before 4 sections and 2 more profile tables
     with pytest.raises(ValueError, match="JSON object"):
         (tmp_path / "l.json").write_text("[1]")
         write_manifest_tex(tmp_path / "l.json", tmp_path / "x.tex")

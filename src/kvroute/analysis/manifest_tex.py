@@ -70,10 +70,17 @@ ENVIRONMENT_LABELS = {
 }
 
 DASH = _DASH.latex
-#: a page break unless this much room is left (needspace's test, defined here so that the
-#: notes' preamble needs no package): a heading or a table never starts at a page's foot
-#: with its rows on the next page
-NEED_SPACE = r"\kvManifestNeedSpace{8\baselineskip}"
+#: a page break unless this many lines are left (needspace's test, defined here so that
+#: the notes' preamble needs no package), before a section or a table that breaks across
+#: pages: its heading, opening text, column titles and first rows never sit alone at a
+#: page's foot. The short tables (source, host) are single boxes and need none.
+ROOM_LINES = 8
+
+
+def _need_space(lines: int = ROOM_LINES) -> str:
+    return rf"\kvManifestNeedSpace{{{lines}\baselineskip}}"
+
+
 DEFINE_NEED_SPACE = (r"\providecommand{\kvManifestNeedSpace}[1]{\par\penalty-100\begingroup"
                      r"\setlength{\dimen0}{#1}\dimen2=\pagegoal\advance\dimen2 by -\pagetotal"
                      r"\ifdim\dimen0>\dimen2 \ifdim\dimen2>0pt \vfil\fi\break\fi\endgroup}")
@@ -159,6 +166,12 @@ def _longtable(columns: list[tuple[float, str]], header: list[str] | None, body:
     return lines + body + [r"\end{longtable}"]
 
 
+def _tabular(columns: list[tuple[float, str]], body: list[str]) -> list[str]:
+    """A short booktabs table as one box (it never breaks, and stays with its heading)."""
+    spec = "@{}" + "".join(_column(s, a) for s, a in columns) + "@{}"
+    return [rf"\noindent\begin{{tabular}}{{{spec}}}", r"\toprule", *body, r"\bottomrule", r"\end{tabular}\par"]
+
+
 def _span(n: int, text: str) -> str:
     """A group's heading: one cell across all ``n`` columns, wrapping within the line, kept
     on the page of the group's first row (``\\*``)."""
@@ -189,7 +202,7 @@ def _source(entries: dict) -> tuple[list[str], Rows]:
     if "created" in entries:
         rows.append(("Built", _when(entries["created"])))
     body = [rf"{label} & {value} \\" for label, value in rows]
-    return _longtable([(0.2, "l"), (0.8, "l")], None, body), []
+    return _tabular([(0.2, "l"), (0.8, "l")], body), []
 
 
 def _when(value: object) -> str:
@@ -213,7 +226,7 @@ def _host(entries: dict) -> tuple[list[str], Rows]:
             text = {"memory_gb": f"{escape(value)} GiB", "cores": f"{escape(value)} (logical)"}.get(key, _text(value))
             body.append(rf"{label} & {text} \\")
     rest = [(f"host.{k}", v) for k, v in host.items() if k not in HOST_LABELS]
-    return (_longtable([(0.2, "l"), (0.8, "l")], None, body) if body else []), _rows(rest)
+    return (_tabular([(0.2, "l"), (0.8, "l")], body) if body else []), _rows(rest)
 
 
 def _rows(pairs: list[tuple[str, object]]) -> Rows:
@@ -304,7 +317,7 @@ def _hardware(entries: dict) -> tuple[list[str], Rows]:
             cells = [_cell(p, f, a) for f, _, _, a in cols]
             body.append(" & ".join([_tt(name), *cells]) + r" \\")
         widths = [(PROFILE_COLUMN, "l")] + [(s, a) for _, _, s, a in cols]
-        lines += [*([NEED_SPACE] if lines else []), r"\begingroup\footnotesize\setlength{\tabcolsep}{4pt}",
+        lines += [*([_need_space()] if lines else []), r"\begingroup\footnotesize\setlength{\tabcolsep}{4pt}",
                   *_longtable(widths, header, body), r"\endgroup", ""]
     body = []
     for name, p in profiles.items():
@@ -312,7 +325,7 @@ def _hardware(entries: dict) -> tuple[list[str], Rows]:
         if "error" in p:
             text = r"\emph{could not be read:} " + _text(p["error"])
         body.append(rf"{_tt(name)} & {text} \\")
-    lines += [NEED_SPACE, r"\begingroup\footnotesize\setlength{\tabcolsep}{4pt}",
+    lines += [_need_space(), r"\begingroup\footnotesize\setlength{\tabcolsep}{4pt}",
               *_longtable([(PROFILE_COLUMN, "l"), (1 - PROFILE_COLUMN, "l")], ["Profile", "Description"], body),
               r"\endgroup"]
     return lines, rest
@@ -360,14 +373,15 @@ def _packages(entries: dict) -> tuple[list[str], Rows]:
     return (_longtable(columns, header, body) if body else []), rest
 
 
-#: (heading, top-level keys, renderer), in the order the appendix prints them
-SECTIONS: tuple[tuple[str, tuple[str, ...], Callable[[dict], tuple[list[str], Rows]]], ...] = (
-    ("Source", ("commit", "dirty", "created"), _source),
-    ("The host these results were made on", ("host",), _host),
-    ("Configuration", ("config_hash",), _configuration),
-    ("Where each result comes from", ("sources", "results"), _results),
-    ("Hardware profiles", ("hardware",), _hardware),
-    ("Package versions", ("packages", "environments"), _packages),
+#: (heading, top-level keys, renderer, lines of room it needs at a page's foot or 0), in
+#: the order the appendix prints them; the results' opening sentence takes three lines
+SECTIONS: tuple[tuple[str, tuple[str, ...], Callable[[dict], tuple[list[str], Rows]], int], ...] = (
+    ("Source", ("commit", "dirty", "created"), _source, 0),
+    ("The host these results were made on", ("host",), _host, 0),
+    ("Configuration", ("config_hash",), _configuration, ROOM_LINES),
+    ("Where each result comes from", ("sources", "results"), _results, ROOM_LINES + 4),
+    ("Hardware profiles", ("hardware",), _hardware, ROOM_LINES),
+    ("Package versions", ("packages", "environments"), _packages, ROOM_LINES),
 )
 
 
@@ -380,20 +394,20 @@ def render(manifest: dict) -> str:
              r"This appendix prints \texttt{results/manifest.json}, which the workflow's \texttt{manifest} rule "
              r"writes from the results these notes read; digests are shortened here and given in full there.", ""]
     other: Rows = []
-    known = {k for _, keys, _ in SECTIONS for k in keys}
-    for head, keys, section in SECTIONS:
+    known = {k for _, keys, _, _ in SECTIONS for k in keys}
+    for head, keys, section, room in SECTIONS:
         entries = {k: manifest[k] for k in keys if k in manifest}
         if not entries:
             continue
         body, rest = section(entries)
         other += rest
         if body:
-            lines += [NEED_SPACE, rf"\subsection*{{{escape(head)}}}", *body, ""]
+            lines += [*([_need_space(room)] if room else []), rf"\subsection*{{{escape(head)}}}", *body, ""]
     for key, value in manifest.items():
         if key not in known:
             other += _flatten(value, str(key))
     if other:
-        lines += [NEED_SPACE, r"\subsection*{Other entries}",
+        lines += [_need_space(ROOM_LINES + 1), r"\subsection*{Other entries}",
                   "Entries of the manifest that the layout above does not show, by their keys.", "",
                   *_longtable([(0.38, "l"), (0.62, "l")], ["Key", "Value"],
                               [rf"{_tt(k)} & {_tt(v)} \\" for k, v in other]), ""]
