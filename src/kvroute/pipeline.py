@@ -337,9 +337,8 @@ def scan_results(results: Path) -> dict[str, dict]:
 def build_manifest(results: Path, config: Path, experiments: Path, repo: Path | None = None) -> dict:
     """Everything needed to say how ``results`` were made.
 
-    Top-level keys follow :mod:`kvroute.analysis.manifest_tex`'s order (commit, created,
-    config_hash, sources, results, hardware, host, packages, environments) so the appendix
-    reads in that order.
+    :mod:`kvroute.analysis.manifest_tex` lays the keys out in its own order and prints a
+    key it does not know under "Other entries", so a key added here is never lost.
 
     Args:
         results: the results folder to scan for records.
