@@ -206,7 +206,7 @@ LIVE_SOURCES = _sources(
 )
 CALIBRATE_SOURCES = SIM_SOURCES + _sources("src/kvroute/calibrate.py", "src/kvroute/experiment.py")
 PROBE_SOURCES = LIVE_SOURCES + _sources("src/kvroute/calibrate*.py", "src/kvroute/probefit.py", "src/kvroute/gpufit.py", "src/kvroute/costmodel.py")
-# the manifest rule also renders the appendix (manifest.tex): its renderer is its code too
+# the manifest job also renders the appendix (manifest.tex), so its renderer is its code too
 MANIFEST_SOURCES = _sources(
     "src/kvroute/pipeline.py", "src/kvroute/analysis/manifest_tex.py", "src/kvroute/analysis/tables.py",
 )
