@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 LOCK   := envs/requirements.lock
 STAMP  := $(VENV)/.kvroute-installed
 
-.PHONY: paper latex services test bench lock clean-venv routers cluster engine-cpu engine-cpu-lock engine-gpu-lock image image-gpu image-id
+.PHONY: paper field latex services test bench lock clean-venv routers cluster engine-cpu engine-cpu-lock engine-gpu-lock image image-gpu image-id
 
 # LaTeX for the notes (Debian/Ubuntu packages). Installed automatically when running as
 # root with apt-get; otherwise `make paper` stops and prints this command.
@@ -69,6 +69,12 @@ cluster: $(CLUSTER_STAMP)
 PAPER_ENVS ?= routers engine-cpu
 paper: $(STAMP) latex $(PAPER_ENVS)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/snakemake paper --profile workflow/profiles/default --cores 8 $(SNAKEMAKE_FLAGS)
+
+# Studies too large for make paper's time (config key field_experiments: Mooncake's whole
+# traces with every policy at every speed-up): simulated, then tabulated in
+# results/field/whole_traces.{csv,md}. About 12 min here; no measurement, no LaTeX.
+field: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/snakemake field --profile workflow/profiles/default --cores 8 $(SNAKEMAKE_FLAGS)
 
 latex:
 	@if command -v latexmk >/dev/null && command -v pdflatex >/dev/null \

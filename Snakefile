@@ -19,9 +19,10 @@ include: "workflow/rules/gateway.smk"
 include: "workflow/rules/analyse.smk"
 include: "workflow/rules/notes.smk"
 include: "workflow/rules/manifest.smk"
+include: "workflow/rules/field.smk"
 
 
-localrules: paper, sim, measure, figures, tables, merge, manifest, validation
+localrules: paper, sim, measure, figures, tables, merge, manifest, validation, field
 
 
 rule paper:  # the default: every note and the manifest
@@ -39,6 +40,9 @@ rule validation:  # every prediction beside its measurement and published value
 
 rule figures:
     input: get_figure_targets(),
+
+rule field:  # `make field`: the field_experiments (Mooncake's whole traces), not part of paper
+    input: get_field_targets(),
 
 rule tables:  # tables, number macros and the provenance appendix
     input: get_table_targets(),

@@ -215,6 +215,29 @@ def test_measure_rules_only_when_enabled(repo, capfd, tmp_path):
     assert "--rounds 2" in cpu_job, cpu_job
 
 
+def test_field_builds_the_field_experiments_and_paper_does_not(repo, capfd):
+    """`make field`: one simulate job per run of each field experiment, their merges and the
+    whole-trace table; `paper` (test_paper_schedules_one_simulate_job_per_run) counts
+    none of them."""
+    cfg = _config(repo)
+    assert cfg["field_experiments"]
+    exps = [load_experiment(repo / f"config/experiments/{n}.yaml") for n in cfg["field_experiments"]]
+    counts, _ = dry_run(repo, capfd, targets=("field",))
+    assert counts["simulate"] == sum(len(e.expand()) for e in exps)
+    assert counts["merge"] == len(exps) and counts["field_whole_traces"] == 1
+    assert counts["workload"] == sum(e.rounds * len(e.loads()) for e in exps)
+    assert not {"note", "analyse_field", "validate", "measure_cpu"} & set(counts)
+
+
+def test_a_field_experiment_also_in_paper_is_refused(repo, tmp_path):
+    from snakemake.exceptions import WorkflowError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"field_experiments": ["kv-reuse"]}))
+    with pytest.raises(WorkflowError, match="field_experiments.0: 'kv-reuse' is in `experiments` too"):
+        _api_dry_run(repo, configfiles=[repo / "config/config.yaml", bad])
+
+
 def test_a_measurement_depends_on_the_policies_it_runs_only(repo, capfd, tmp_path):
     """Editing kv_aware.py reruns note2-cpu's measurement (it runs kv_aware), not the
     explainer's (sticky and random), nor the probe (it routes nothing)."""

@@ -83,6 +83,10 @@ def _check_config():
         _fail(f"key experiments: {ARITHMETIC_NAME!r} is reserved for `kvroute arithmetic`")
     for i, name in enumerate(experiments):
         _experiment(name, f"experiments.{i}")
+    for i, name in enumerate(config["field_experiments"]):
+        if name in experiments:
+            _fail(f"key field_experiments.{i}: {name!r} is in `experiments` too; `paper` builds it already")
+        _experiment(name, f"field_experiments.{i}")
     notebooks = [a["notebook"] for a in config["analyses"]]
     names = [a["name"] for a in config["analyses"]]
     for what, values in (("notebook", notebooks), ("name", names)):
@@ -127,7 +131,7 @@ def _alternation(names):
 _check_config()
 
 wildcard_constraints:
-    exp=_alternation(config["experiments"]),
+    exp=_alternation([*config["experiments"], *config["field_experiments"]]),
     hardware=r"[A-Za-z0-9_.-]+",
     policy=r"[A-Za-z0-9_.+-]+",
     round=r"\d+",
@@ -565,6 +569,17 @@ def get_note_products(wildcards):
 
 
 # ------------------------------------------------------------------ targets
+
+
+def get_field_experiments():
+    return list(config["field_experiments"])
+
+
+def get_field_targets():
+    """Target `field`: the field_experiments' merged simulations and their summary table."""
+    names = get_field_experiments()
+    return [f for name in names for f in sim_result(name)] + (
+        [f"{RESULTS}/field/whole_traces.csv", f"{RESULTS}/field/whole_traces.md"] if names else [])
 
 
 def get_sim_targets():
