@@ -67,4 +67,4 @@ def test_the_field_experiments_are_the_whole_traces_at_every_speedup_with_every_
         whole = load_experiment(ROOT / f"config/experiments/{name}.yaml")
         window = load_experiment(ROOT / f"config/experiments/{name.removesuffix('-whole')}.yaml")
         assert whole.workload["params"]["duration_s"] is None  # the whole trace
-        assert whole.load == window.load and whole.runs == window.runs  # the window's speed-ups and policies
+        assert set(window.load.values) <= set(whole.load.values) and whole.runs == window.runs  # its policies, more speed-ups
