@@ -131,6 +131,11 @@ def test_policy_tex():
     assert str(policy_tex("cost_aware:alpha=0.25")) == r"cost-aware, $\alpha$ = 0.25"
     assert str(policy_tex("hybrid_sticky:threshold_ms=500")) == r"hybrid sticky, threshold 500\,ms"
     assert str(policy_tex("kv_aware")) == "KV-aware"
+    # a value is printed as a number, so one policy is not "1" in one table and "1.0" in another
+    assert str(policy_tex("cost_aware:alpha=1.0")) == str(policy_tex("cost_aware:alpha=1")) == r"cost-aware, $\alpha$ = 1"
+    from kvroute.analysis.figures import label
+    assert label("cost_aware:alpha=1.0") == label("cost_aware:alpha=1") == "cost-aware α=1"
+    assert label("sglang_router:cache_aware") == "sglang-router cache_aware"
     assert str(policy_tex("sglang_router:cache_aware")) == r"sglang-router, cache\_aware"
     assert str(policy_tex("vllm_router:consistent_hash")) == r"vllm-router, consistent\_hash"
 

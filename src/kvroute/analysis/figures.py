@@ -77,7 +77,10 @@ def save(fig, out_dir: Path, family: str, name: str, notebook: str, title: str =
 def label(policy: str) -> str:
     """A readable legend label for a policy spec (``cost_aware:alpha=0.25`` -> ``cost-aware α=0.25``)."""
     name, _, params = policy.partition(":")
-    from kvroute.analysis.tables import POLICY_NAMES
+    from kvroute.analysis.tables import _PEER_NAMES, POLICY_NAMES
+
+    if name in _PEER_NAMES:  # a production router and its own policy: ``sglang-router cache_aware``
+        return f"{_PEER_NAMES[name]} {params}".strip()
 
     pretty = POLICY_NAMES.get(name, name)
     if not params:
@@ -86,6 +89,9 @@ def label(policy: str) -> str:
     for kv in params.split(","):
         k, _, v = kv.partition("=")
         k = {"alpha": "α", "threshold_ms": "threshold"}.get(k.strip(), k.strip())
+        from kvroute.analysis.tables import _number
+
+        v = _number(v.strip())
         v = f"{v} ms" if k == "threshold" else v
         parts.append(f"{k}={v}" if k != "threshold" else f"{v}")
     return f"{pretty} {' '.join(parts)}"

@@ -208,6 +208,14 @@ _PARAM_TEX = {"alpha": r"$\alpha$", "threshold_ms": "threshold", "beta": r"$\bet
 _PEER_NAMES = {"sglang_router": "sglang-router", "vllm_router": "vllm-router"}
 
 
+def _number(value: str) -> str:
+    """A spec's numeric value as it is printed everywhere: ``1.0`` and ``1`` alike as ``1``."""
+    try:
+        return f"{float(value):g}"
+    except ValueError:
+        return value
+
+
 def policy_tex(spec: str) -> Tex:
     """A policy spec as readable LaTeX: ``cost_aware:alpha=0.25`` -> ``cost-aware, $\\alpha$ = 0.25``."""
     name, _, params = spec.partition(":")
@@ -220,7 +228,7 @@ def policy_tex(spec: str) -> Tex:
         k = k.strip()
         unit = r"\,ms" if k.endswith("_ms") else ""
         sep = " " if k.endswith("_ms") else " = "
-        parts.append(f"{_PARAM_TEX.get(k, escape(k))}{sep}{escape(v.strip())}{unit}")
+        parts.append(f"{_PARAM_TEX.get(k, escape(k))}{sep}{escape(_number(v.strip()))}{unit}")
     return Tex(text + (", " + ", ".join(parts) if parts else ""))
 
 
