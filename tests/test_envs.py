@@ -44,7 +44,7 @@ def _unavailable(msg: str) -> None:
     """Fail under CI (it must check), skip elsewhere; either way naming what is missing."""
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI=true and {msg}")
-    pytest.skip(msg)
+    pytest.skip(f"not checked here: {msg}")
 
 
 def _hashed(text: str) -> dict[str, tuple[str, frozenset[str]]]:

@@ -31,12 +31,6 @@ POINT_HELP = ("The experiment's operating point (`kvroute operating-point`'s fil
               "with key operating_point needs to draw its workload.")
 
 
-def _read_point(path: Path, exp) -> float:
-    from kvroute.sim.operating_point import read
-
-    return read(path, exp)
-
-
 @click.command()
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--hardware", required=True, help="Hardware profile whose workers to start (cpu here).")
@@ -120,7 +114,9 @@ def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int
 
     try:
         exp = load_experiment(experiment)
-        point = _read_point(point_file, exp) if point_file is not None and trace is None else None
+        from kvroute.sim.operating_point import read
+
+        point = read(point_file, exp) if point_file is not None and trace is None else None
         summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, trace, coefficients, load,
                                       point)
     except (ExperimentError, ValueError, DownloadError) as exc:  # DownloadError: a dataset failing its checksum
