@@ -14,6 +14,7 @@ from kvroute.probefit import (FITTED, Observation, coefficient_entry, collect, f
 
 TRUTH = {"compute_efficiency": 1.3, "mem_efficiency": 0.8, "step_overhead_ms": 3.0, "per_seq_overhead_ms": 0.25}
 API_MS, JITTER_MS, ADMISSION_MS = 12.0, 4.0, 3.5
+PER_PROMPT_TOKEN_MS = 0.004  # the API server's templating and tokenising, per prompt token
 HW = load_hardware("cpu")
 PLAN = ProbePlan(api_probes=40, repetitions=2, decode_tokens=24)
 TEMPLATE = 12  # chat-template tokens around a message's words
@@ -34,7 +35,7 @@ def synthetic_requests(noise: float = 0.0, seed: int = 1) -> list[ProbeRequest]:
         for i in range(PLAN.api_probes):
             prompt = PLAN.api_words + TEMPLATE
             pre = jitter(predict(Observation("prefill", prompt, 0, 1, 1.0), m, budget, ADMISSION_MS)) / 1e3
-            api = (API_MS + JITTER_MS * float(rng.uniform(-1, 1))) / 1e3
+            api = (API_MS + PER_PROMPT_TOKEN_MS * prompt + JITTER_MS * float(rng.uniform(-1, 1))) / 1e3
             reqs.append(ProbeRequest(w, "api", f"a{i}", PLAN.api_words, 2, rep=i % 2, sent_s=t, token_s=[t + api + pre] * 2,
                                      prompt_tokens=prompt, output_tokens=2,
                                      engine={"queue_s": 0.0, "prefill_s": pre, "decode_s": 0.0, "ttft_s": pre,
@@ -45,8 +46,9 @@ def synthetic_requests(noise: float = 0.0, seed: int = 1) -> list[ProbeRequest]:
                 for warm in (False, True):
                     cached = (prompt - 1) // block * block if warm else 0
                     pre = jitter(predict(Observation("prefill", prompt, cached, 1, 1.0), m, budget, ADMISSION_MS)) / 1e3
+                    api = (API_MS + PER_PROMPT_TOKEN_MS * prompt + JITTER_MS * float(rng.uniform(-1, 1))) / 1e3
                     reqs.append(ProbeRequest(w, "prefill", f"p{rep}:{n}", n, 4, warm=warm, rep=rep, sent_s=t,
-                                             token_s=[t + pre + 0.01 * k for k in range(4)], prompt_tokens=prompt,
+                                             token_s=[t + api + pre + 0.01 * k for k in range(4)], prompt_tokens=prompt,
                                              cached_tokens=cached, output_tokens=4,
                                              engine={"queue_s": 0.0, "prefill_s": pre, "decode_s": 0.03,
                                                      "ttft_s": pre, "requests": 1.0}))
@@ -83,6 +85,20 @@ def test_the_fit_recovers_known_coefficients():
     # uniform in API_MS +- JITTER_MS: the interquartile range is JITTER_MS
     assert fit.coefficients["api_jitter_ms"] == pytest.approx(JITTER_MS, rel=0.3)
     assert fit.measured["api_per_token_ms"]["value"] == pytest.approx(0.0, abs=1e-6)
+    # the API cost's growth with the prompt, from the minimal and the prefill probes
+    assert fit.coefficients["api_per_prompt_token_ms"] == pytest.approx(PER_PROMPT_TOKEN_MS, rel=0.15)
+    se = fit.errors["api_per_prompt_token_ms"]
+    assert math.isfinite(se) and 0 < se < PER_PROMPT_TOKEN_MS / 2
+
+
+def test_an_api_cost_that_does_not_grow_with_the_prompt_gives_no_slope():
+    reqs = synthetic_requests()
+    for r in reqs:  # every prefill probe's API cost as a minimal probe's: no growth with length
+        if r.phase == "prefill":
+            r.token_s[:] = [x - PER_PROMPT_TOKEN_MS * (r.prompt_tokens - PLAN.api_words - TEMPLATE) / 1e3
+                            for x in r.token_s]
+    fit = fit_probes(reqs, HW)
+    assert fit.coefficients["api_per_prompt_token_ms"] == pytest.approx(0.0, abs=2e-4)
 
 
 def test_noisy_probes_give_the_truth_within_the_stated_errors():

@@ -45,11 +45,22 @@ class _Recording(SimCluster):
     def __init__(self, *args):
         super().__init__(*args)
         self.delays: dict[tuple[str, int], float] = {}
+        self.prompts: dict[tuple[str, int], int] = {}
+        self.busy: dict[tuple[str, int], bool] = {}  # its engine ran when it was routed
+        self.shares: list[float] = []  # engine time shares seen at deliveries
 
-    def _deliver(self, i, ereq):
+    def route(self, conv, index, turn, stream, prompt, output):
+        done = super().route(conv, index, turn, stream, prompt, output)
+        p = self.pending[self._next_rid - 1]
+        self.prompts[(conv.id, turn)] = prompt
+        self.busy[(conv.id, turn)] = not self.engines[p.worker].idle
+        return done
+
+    def _deliver(self, i, ereq, *rest):
         p = self.pending[ereq.rid]
         self.delays[(p.conversation.id, p.turn)] = self.env.now - p.arrival_s
-        super()._deliver(i, ereq)
+        self.shares.append(self.engines[i].share)
+        super()._deliver(i, ereq, *rest)
 
 
 def test_a_request_gets_the_same_api_delay_under_every_policy():
@@ -89,3 +100,40 @@ def test_common_draws_do_not_depend_on_the_hardware_or_a_new_round():
     lo, hi = (c.api_overhead_ms - c.api_jitter_ms) * 1e-3, (c.api_overhead_ms + c.api_jitter_ms) * 1e-3
     assert np.array(SimCluster(trace, hw, policy, common_rng(2, 0), True).api_delay_s) == pytest.approx(lo + (hi - lo) * u)
     assert SimCluster(trace, hw, policy, common_rng(2, 1), True).api_delay_s != SimCluster(trace, hw, policy, common_rng(2, 0), True).api_delay_s
+
+
+def _cpu(**coefficients):
+    hw = load_hardware("cpu")
+    return dataclasses.replace(hw, coefficients=dataclasses.replace(hw.coefficients, **coefficients))
+
+
+def _cpu_run(hw, seed=4):
+    trace = generate("note2", seed, chats=8, turns=4, system_words=300, user_words=60, reply_tokens=32, ramp_s=1.0)
+    cluster = _Recording(trace, hw, make_policy("round_robin", np.random.default_rng(0)), common_rng(seed, 0), True)
+    rows = cluster.run()
+    return trace, cluster, rows
+
+
+def test_the_api_delay_grows_with_the_prompt_and_beside_a_running_engine():
+    """The CPU probes' two API terms: per prompt token, and the stretch beside a busy engine."""
+    per_token, f = 0.004, 2.0
+    trace, cluster, _ = _cpu_run(_cpu(api_per_prompt_token_ms=per_token, api_busy_factor=f))
+    busy = 0
+    for i, conv in enumerate(trace.conversations):
+        for k in range(len(conv.turns)):
+            key = (conv.id, k)
+            idle = cluster.api_delay_s[i][k] + per_token * cluster.prompts[key] * 1e-3
+            assert cluster.delays[key] == pytest.approx(f * idle if cluster.busy[key] else idle, abs=1e-12), key
+            busy += cluster.busy[key]
+    assert 0 < busy < len(cluster.delays), "the run needs requests that find their engine idle and busy"
+    # beside the API server the engine runs at 1 - 1/f of its core: steps f/(f-1) as long
+    assert max(cluster.shares) == pytest.approx(f / (f - 1)) and min(cluster.shares) == 1.0
+
+
+def test_an_api_server_beside_the_engine_slows_the_engine():
+    """Same draws and routing: a stretched API window costs the engine time, so replies end later."""
+    _, plain, rows = _cpu_run(_cpu())
+    _, shared, rows_shared = _cpu_run(_cpu(api_busy_factor=2.0))
+    assert set(plain.shares) == {1.0}
+    assert max(r["finish_s"] for r in rows_shared) > max(r["finish_s"] for r in rows)
+    assert sum(e.busy_s for e in shared.engines) > sum(e.busy_s for e in plain.engines)

@@ -133,6 +133,19 @@ class Coefficients:
     activation_reserve_gb: float
     api_overhead_ms: float
     api_jitter_ms: float
+    #: the API server's cost per prompt token (templating and tokenising the whole chat),
+    #: paid before the request reaches the engine; measured by the CPU probes, 0 where unmeasured
+    api_per_prompt_token_ms: float = 0.0
+    #: how much longer the API server takes while its engine runs (the CPU build: one core for
+    #: both); measured by the CPU probes, 1 where unmeasured
+    api_busy_factor: float = 1.0
+
+    def api_delay_s(self, drawn_s: float, prompt_tokens: int, engine_busy: bool) -> float:
+        """One request's API-server delay in seconds: its draw in ``api_overhead_ms ±
+        api_jitter_ms`` (``drawn_s``), plus its prompt's share, stretched by
+        ``api_busy_factor`` when its engine is running."""
+        delay = drawn_s + self.api_per_prompt_token_ms * prompt_tokens * 1e-3
+        return delay * self.api_busy_factor if engine_busy else delay
 
 
 @dataclass(frozen=True)

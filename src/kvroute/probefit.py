@@ -27,8 +27,18 @@ interquartile range ``api_jitter_ms`` (the simulator draws the cost uniformly in
 more than a step of its tokens (vLLM admits it: on the CPU build a few ms); the fit
 finds that ``admission_ms`` beside the step coefficients, and since the simulator has
 no such term and a request pays it once before its first token, it is added to
-``api_overhead_ms``. The cost per streamed token (client gap less the engine's) is
-reported; the simulator has no such term.
+``api_overhead_ms``. The API server also templates and tokenises the whole chat before the
+engine sees it, so its cost grows with the prompt: the same difference, taken on every
+minimal and prefill probe (16 to 3,012 tokens), gives ``api_per_prompt_token_ms``, the
+Theil-Sen slope against prompt tokens (robust to a contended probe; se from its 95% interval),
+and ``api_cost_ms`` is the minimal probes' median less that slope's share. On the CPU build
+the API server shares its core with the engine core, so while the engine runs it gets only part
+of the core: the ``api_busy`` probes (sent while other streams decode) give ``api_busy_factor``,
+the median ratio of their delay to the idle one at their length (``admission_ms`` added to both,
+as the simulator charges it), which the simulator applies to a request that finds its engine
+busy, running that engine's steps ``f/(f-1)`` times as long meanwhile (the engine loses the
+API server's share of the core). The cost per
+streamed token (client gap less the engine's) is reported; the simulator has no such term.
 """
 
 from __future__ import annotations
@@ -49,7 +59,9 @@ from kvroute.live.probe import ProbePlan, ProbeRequest
 FITTED = ("compute_efficiency", "mem_efficiency", "step_overhead_ms", "per_seq_overhead_ms")
 #: fitted beside them: what a request's first (prefill) step costs beyond a step of its tokens
 ADMISSION = "admission_ms"
-MEASURED = ("api_overhead_ms", "api_jitter_ms")
+PER_TOKEN = "api_per_prompt_token_ms"
+BUSY = "api_busy_factor"
+MEASURED = ("api_overhead_ms", "api_jitter_ms", PER_TOKEN, BUSY)
 #: (lower, upper, start): the cpu profile's bandwidth and peak are nominal figures for one
 #: core, not a datasheet's, so an efficiency may pass 1 (the nominal figure is then low)
 BOUNDS = {"compute_efficiency": (0.01, 20.0, 0.5), "mem_efficiency": (0.01, 20.0, 0.5),
@@ -105,6 +117,11 @@ class Samples:
     prefill: dict[tuple[int, bool], list[tuple[float, int, int]]] = field(default_factory=dict)
     decode: dict[tuple[int, int], list[tuple[float, int]]] = field(default_factory=dict)
     api: list[float] = field(default_factory=list)
+    api_tokens: list[int] = field(default_factory=list)  # the minimal probes' prompt tokens
+    #: (client TTFT - engine queue - engine prefill, prompt tokens) of every minimal and prefill probe
+    api_by_tokens: list[tuple[float, int]] = field(default_factory=list)
+    #: the same difference and prompt tokens of every API probe sent while the engine decoded
+    busy: list[tuple[float, int]] = field(default_factory=list)
     per_token: list[float] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
 
@@ -120,11 +137,19 @@ def collect(requests: Iterable[ProbeRequest]) -> Samples:
         if r.phase == "api" and ok:
             api = r.ttft_ms - 1e3 * (r.engine["queue_s"] + r.engine["prefill_s"])
             s.api.append(api)
+            s.api_tokens.append(r.prompt_tokens)
+            s.api_by_tokens.append((api, r.prompt_tokens))
             row |= {"kind": "api", "measured_ms": api, "used": True}
+        elif r.phase == "api_busy" and ok:
+            api = r.ttft_ms - 1e3 * (r.engine["queue_s"] + r.engine["prefill_s"])
+            s.busy.append((api, r.prompt_tokens))
+            row |= {"kind": "api_busy", "measured_ms": api, "used": True}
         elif r.phase == "prefill" and ok:
             ms = 1e3 * r.engine["prefill_s"]
             s.prefill.setdefault((r.words, r.warm), []).append((ms, r.prompt_tokens, r.cached_tokens))
-            row |= {"kind": "prefill", "measured_ms": ms, "context": r.cached_tokens, "used": True}
+            api = r.ttft_ms - 1e3 * (r.engine["queue_s"] + r.engine["prefill_s"])
+            s.api_by_tokens.append((api, r.prompt_tokens))
+            row |= {"kind": "prefill", "measured_ms": ms, "context": r.cached_tokens, "used": True, "api_ms": api}
         elif r.phase == "decode":
             groups.setdefault((r.session, r.worker, r.group), []).append(r)
             continue
@@ -234,12 +259,44 @@ def _estimate(s: Samples, obs: list[Observation], hw: Hardware) -> tuple[dict[st
 
     x, se_x = fit_least_squares(residuals, x0, lo, hi)
     est = dict(zip(names, map(float, x)))
+    slope, _ = api_slope(s)
     api = np.asarray(s.api)
-    est |= {"api_cost_ms": float(np.median(api)), "api_jitter_ms": _iqr(api)}
+    est |= {"api_cost_ms": float(np.median(api - slope * np.asarray(s.api_tokens, dtype=float))), "api_jitter_ms": _iqr(api),
+            PER_TOKEN: slope}
+    est[BUSY] = busy_factor(s, est)
     # the simulator has no admission cost: a request pays it once before its first token, as it
     # pays the API server's, so it joins api_overhead_ms (exact on an idle engine)
     est["api_overhead_ms"] = est["api_cost_ms"] + est[ADMISSION]
     return est, dict(zip(names, map(float, se_x)))
+
+
+def api_slope(s: Samples) -> tuple[float, float]:
+    """The API cost's growth per prompt token (ms) over every minimal and prefill probe, and
+    its standard error: the Theil-Sen slope (a median of pairwise slopes, so a few contended
+    probes do not move it) and its 95% interval / 3.92. Not below zero (a cost does not fall
+    with more tokens to template); 0 and NaN when the probes span no range of lengths."""
+    from scipy.stats import theilslopes
+
+    pairs = np.asarray(s.api_by_tokens, dtype=float).reshape(-1, 2)
+    if len(pairs) < 3 or np.ptp(pairs[:, 1]) == 0:
+        return 0.0, math.nan
+    res = theilslopes(pairs[:, 0], pairs[:, 1])
+    return max(0.0, float(res.slope)), float(res.high_slope - res.low_slope) / 3.92
+
+
+def busy_ratios(s: Samples, est: dict[str, float]) -> np.ndarray:
+    """Each ``api_busy`` probe's delay over the idle one at its length, as the simulator
+    charges them: the API cost plus ``admission_ms``, which the simulator adds to it."""
+    busy = np.asarray(s.busy, dtype=float).reshape(-1, 2)
+    idle = est["api_cost_ms"] + est[ADMISSION] + est[PER_TOKEN] * busy[:, 1]
+    return (busy[:, 0] + est[ADMISSION]) / idle
+
+
+def busy_factor(s: Samples, est: dict[str, float]) -> float:
+    """How much longer a request's API delay is while its engine runs: the median of
+    :func:`busy_ratios`, not below 1; 1 without busy probes (nothing measured, nothing added)."""
+    ratios = busy_ratios(s, est)
+    return max(1.0, float(np.median(ratios))) if ratios.size else 1.0
 
 
 def _jackknife_se(requests: list, grouped: list, key, est: dict[str, float], hw,
@@ -286,13 +343,16 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     _check(s, obs)
     est, se_fit = _estimate(s, obs, hw)
     api = np.asarray(s.api)
-    se_fit |= {"api_cost_ms": bootstrap_se(api, np.median), "api_jitter_ms": bootstrap_se(api, _iqr)}
+    se_fit |= {"api_cost_ms": bootstrap_se(api, np.median), "api_jitter_ms": bootstrap_se(api, _iqr),
+               PER_TOKEN: api_slope(s)[1],
+               BUSY: bootstrap_se(busy_ratios(s, est), np.median)
+               if len(s.busy) >= 3 else math.nan}
     se_fit["api_overhead_ms"] = math.hypot(se_fit["api_cost_ms"], se_fit[ADMISSION])
     # a delete-one-block jackknife over (session, worker, repetition) blocks of probes; and,
     # since each engine process (a worker in one session) has its own share of the machine,
     # drawn afresh by every calibration, a leave-one-process-out jackknife for the run-to-run
     # part (with two processes: half the difference of their own fits)
-    timed = [r for r in requests if r.phase in ("api", "prefill", "decode")]
+    timed = [r for r in requests if r.phase in ("api", "prefill", "decode", "api_busy")]
     se_jack, _, jack = _jackknife_se(requests, timed, lambda r: (r.session, r.worker, r.rep), est, hw, min_groups=3)
     se_workers, workers, per_worker = _jackknife_se(requests, requests, lambda r: (r.session, r.worker), est, hw,
                                                     min_groups=2)
@@ -311,11 +371,13 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
         elif row["kind"] == "decode_step" and row["used"]:
             row["predicted_ms"] = predict(Observation("decode_step", int(row["context"]), 0, int(row["batch"]),
                                                       row["measured_ms"]), m, budget)
-        elif row["kind"] == "api":
-            row["predicted_ms"] = est["api_cost_ms"]
+        elif row["kind"] in ("api", "api_busy"):
+            idle = est["api_cost_ms"] + est[PER_TOKEN] * row["prompt_tokens"]
+            row["predicted_ms"] = (est[BUSY] * (idle + est[ADMISSION]) - est[ADMISSION] if row["kind"] == "api_busy"
+                                   else idle)
     measured = {k: {"value": est[k], "se": se[k], "se_fit": se_fit[k], "se_jackknife": se_jack[k],
                     "se_processes": se_workers[k]}
-                for k in ("api_cost_ms", ADMISSION, "api_overhead_ms", "api_jitter_ms")}
+                for k in ("api_cost_ms", ADMISSION, "api_overhead_ms", "api_jitter_ms", PER_TOKEN, BUSY)}
     measured["api_cost_mean_ms"] = {"value": float(api.mean()), "se": float(api.std(ddof=1) / math.sqrt(api.size))}
     if s.per_token:
         pt = np.asarray(s.per_token)
@@ -323,7 +385,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     coefficients = coef | {k: est[k] for k in MEASURED}
     errors = {k: se[k] for k in (*FITTED, *MEASURED)}
     info = dict(probed or {})
-    info["usable"] = {"api": len(s.api), "prefill": sum(len(v) for v in s.prefill.values()),
+    info["usable"] = {"api": len(s.api), "api_busy": len(s.busy), "prefill": sum(len(v) for v in s.prefill.values()),
                       "decode_batches": sum(len(v) for v in s.decode.values()),
                       "failed": sum(1 for r in s.rows if r["error"]), "jackknife_blocks": len(jack)}
     # a coefficient the fit pushed to a bound, or whose term never binds (no Jacobian se), is
@@ -376,6 +438,15 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "- engine prefill) over the minimal probes (bootstrap se); admission_ms is what a request's prefill "
             "step costs beyond a step of its tokens (fitted with the step coefficients); the simulator has no such "
             "term, so api_overhead_ms = api_cost_ms + admission_ms, which it pays once before its first token",
+            "api_per_prompt_token_ms is the Theil-Sen slope of that difference against prompt tokens over the "
+            "minimal and prefill probes (se: its 95% interval / 3.92): the API server templates and tokenises "
+            "the whole chat, and the simulator adds it times a request's prompt tokens to its API delay; "
+            "api_cost_ms is the minimal probes' median less the slope's share",
+            "api_busy_factor is the median, over API probes sent while max_num_seqs - 1 other streams decoded on "
+            "the same engine, of their delay over the idle one at their length, each with admission_ms added as "
+            "the simulator charges it (bootstrap se; 1 without such probes): on the CPU build the API server "
+            "shares its core with the engine core; the simulator multiplies the API delay of a request that "
+            "finds its engine busy by it, and over that delay runs the engine's steps f/(f-1) times as long",
             "api_per_token_ms (client gap - engine gap per streamed token) is reported only: the simulator "
             "has no per-token API cost",
             "activation_reserve_gb is kept from the profile's entry: the cpu profile gives its KV budget directly",

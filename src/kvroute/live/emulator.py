@@ -153,7 +153,8 @@ class EmulatedWorker:
         job = Job(EngineRequest(rid, len(prompt_ids), max_tokens, hashes), reply)
         self.jobs[rid] = job
         self._in_transit += 1
-        delay = float(self.rng.uniform(self._api_lo, self._api_hi)) * self.time_scale
+        delay = self.hw.coefficients.api_delay_s(float(self.rng.uniform(self._api_lo, self._api_hi)), len(prompt_ids),
+                                                 not self.engine.idle) * self.time_scale
         asyncio.get_running_loop().call_later(delay, self._deliver, job)
         return job
 

@@ -105,6 +105,10 @@ def per_worker_load(result: LoadResult, names: list[str], urls: list[str]) -> di
             "metrics_prompt_tokens": d.get("prompt_tokens", math.nan),
             "metrics_cache_hits": d.get("prefix_cache_hits", math.nan),
             "metrics_generation_tokens": d.get("generation_tokens", math.nan),
+            # seconds summed over the worker's requests (vLLM's histograms; NaN where absent)
+            "metrics_engine_ttft_s": d.get("engine_ttft_s", math.nan),
+            "metrics_engine_queue_s": d.get("engine_queue_s", math.nan),
+            "metrics_engine_prefill_s": d.get("engine_prefill_s", math.nan),
             "records_requests": float(sum(1 for r in result.rows if r["worker"] == name)),
         }
     return out

@@ -27,6 +27,13 @@ SAMPLES: dict[str, str] = {
     "vllm:num_requests_running": "num_requests_running",
     "vllm:num_requests_waiting": "num_requests_waiting",
     "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+    # the engine's own account of the time to first token (from its API server's receipt of
+    # the request) and of its parts inside the engine core: with the client's TTFT they say
+    # how much of it the gateway, the load generator and the API server took
+    "vllm:time_to_first_token_seconds_sum": "engine_ttft_s",
+    "vllm:time_to_first_token_seconds_count": "engine_ttft_count",
+    "vllm:request_queue_time_seconds_sum": "engine_queue_s",
+    "vllm:request_prefill_time_seconds_sum": "engine_prefill_s",
 }
 #: the load gauges a scraping router reads (``load_signal`` scraped), under vLLM's names;
 #: vLLM's V0 engine called the KV usage ``gpu_cache_usage_perc`` (V1, 0.32 here: ``kv_cache_usage_perc``)
@@ -37,7 +44,8 @@ LOAD_SAMPLES: dict[str, str] = {
     "vllm:gpu_cache_usage_perc": "kv_cache_usage_perc",
 }
 #: monotonic counters (their deltas mean something)
-COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success")
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success",
+            "engine_ttft_s", "engine_ttft_count", "engine_queue_s", "engine_prefill_s")
 
 
 def parse_metrics(text: str, names: Mapping[str, str] = SAMPLES) -> dict[str, float]:

@@ -25,6 +25,11 @@ repetition is one stretch of time:
   gaps are not, because an API server starved of CPU by other jobs delivers a stream's
   tokens in bursts. For ``B = 1`` the client's mean gap less the engine's is the API
   server's cost per streamed token.
+* ``api_busy``: an API probe (minimal, or a longer cold prompt) sent while
+  ``max_num_seqs - 1`` streams of its own (``busy_background``) decode on the same engine:
+  the API server then shares its core with a busy engine core, as under load. Its cost is
+  measured as an ``api`` probe's; the engine must count only the probe over its window (no
+  background stream ends in it), else the probe is kept as an error row.
 
 Every probe (a batch counts as one) waits for the engine's counters to count its
 requests before the next is sent, so each histogram change is that probe's own.
@@ -85,13 +90,18 @@ class ProbePlan:
     decode_words: tuple[int, ...] = (128, 2000)
     decode_tokens: int = 40
     decode_suffix_words: int = 8  # each stream's own words after the shared prefix
+    busy_probes: int = 8  # API probes sent while the engine decodes (per session; spread over repetitions)
+    busy_words: tuple[int, ...] = (4, 1152)  # their lengths, in turn
+    busy_tokens: int = 96  # tokens of each background stream: enough to outlast the probe
 
     def __post_init__(self) -> None:
         if self.api_probes < 3 or self.repetitions < 1 or self.sessions < 1:
             raise ValueError("a probe plan needs at least 3 API probes, one session and one repetition")
+        if self.busy_probes < 0 or self.busy_tokens < 8:
+            raise ValueError("a probe plan's busy_probes must be >= 0 and busy_tokens >= 8")
         if self.decode_tokens < 8:
             raise ValueError(f"decode_tokens {self.decode_tokens}: a decode window needs at least 8 tokens")
-        if any(n < 1 for n in (*self.prefill_words, *self.decode_words, self.api_words)):
+        if any(n < 1 for n in (*self.prefill_words, *self.decode_words, *self.busy_words, self.api_words)):
             raise ValueError("probe lengths must be positive")
 
     def batches(self, max_num_seqs: int) -> tuple[int, ...]:
@@ -103,8 +113,9 @@ class ProbePlan:
     def count(self, max_num_seqs: int) -> int:
         """Requests per worker and session, warm-up included."""
         batches = self.batches(max_num_seqs)
+        busy = self.busy_probes * max_num_seqs if max_num_seqs > 1 else 0  # each probe and its background
         return (2 + self.api_probes + 2 * self.repetitions * len(self.prefill_words)
-                + self.repetitions * len(self.decode_words) * (sum(batches) + len(batches)))
+                + self.repetitions * len(self.decode_words) * (sum(batches) + len(batches)) + busy)
 
     def to_dict(self, max_num_seqs: int) -> dict:
         d = asdict(self)
@@ -117,7 +128,7 @@ class ProbeRequest:
     """One probe as it ran: what was asked, the client's clock, the engine's counters."""
 
     worker: str
-    phase: str  # warmup | api | prefill | decode_prefix | decode
+    phase: str  # warmup | api | prefill | decode_prefix | decode | api_busy | busy_background
     key: str
     words: int
     max_tokens: int
@@ -224,6 +235,9 @@ class WorkerProber:
             for n in p.decode_words:
                 for b in p.batches(self.max_num_seqs):
                     await self._batch(n, b, rep)
+            if self.max_num_seqs > 1:
+                for i in range(rep, p.busy_probes, p.repetitions):
+                    await self._busy(i, p.busy_words[i % len(p.busy_words)], rep)
         return self.requests
 
     def _key(self, phase: str, i: object) -> str:
@@ -276,6 +290,38 @@ class WorkerProber:
         await self._together([ProbeRequest(self.name, "decode", f"{prefix}:{j}", words, self.plan.decode_tokens,
                                            prefix=prefix, suffix_words=self.plan.decode_suffix_words, batch=b,
                                            group=group, rep=rep) for j in range(b)])
+
+    async def _busy(self, i: int, words: int, rep: int) -> None:
+        """API probe ``i`` of ``words`` words while ``max_num_seqs - 1`` streams decode."""
+        key = self._key("busy", i)
+        background = [ProbeRequest(self.name, "busy_background", f"{key}:bg{j}", 32, self.plan.busy_tokens, rep=rep,
+                                   batch=self.max_num_seqs) for j in range(self.max_num_seqs - 1)]
+        probe = ProbeRequest(self.name, "api_busy", key, words, 2, rep=rep, batch=self.max_num_seqs)
+        tasks = [asyncio.create_task(self._send(r)) for r in background]
+        try:
+            deadline = time.monotonic() + REQUEST_TIMEOUT_S
+            while (not all(r.token_s or r.error for r in background) and time.monotonic() < deadline
+                   and not all(t.done() for t in tasks)):
+                await asyncio.sleep(0.002)
+            if any(r.error or not r.token_s for r in background):
+                probe.error = "the background streams did not all start"
+            else:
+                before = await self._counters()
+                await self._send(probe)
+                after = await self._counters()
+                while after["requests"] < before["requests"] + 1 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+                    after = await self._counters()
+                counted = after["requests"] - before["requests"]
+                probe.engine = {k: after[k] - before[k] for k in after}
+                if counted != 1:
+                    probe.error = probe.error or (f"the engine counted {counted:g} requests over the probe, not 1 "
+                                                  f"(a background stream ended in its window)")
+        finally:
+            await asyncio.gather(*tasks)
+        self._last = None  # the background's requests changed the counters since
+        for r in (*background, probe):
+            self._keep(r)
 
     def _keep(self, req: ProbeRequest) -> None:
         req.session = self.engine_session

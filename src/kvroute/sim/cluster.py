@@ -38,6 +38,7 @@ class WorkerDriver:
         self.engine = engine
         self.cluster = cluster
         self.gpu = gpu
+        self.index = 0  # its worker's position (set by the cluster)
         self.busy = False
         self._wake: simpy.Event | None = None
         self.process = env.process(self._run())
@@ -290,6 +291,8 @@ class SimCluster:
             for w in self.workers
         ]
         self.drivers = [WorkerDriver(self.env, e, self, hw.gpu_of(i)) for i, e in enumerate(self.engines)]
+        for i, d in enumerate(self.drivers):
+            d.index = i
         self._peers = {d.gpu: [p for p in self.drivers if p.gpu == d.gpu] for d in self.drivers}
         self.worker_index = {w: i for i, w in enumerate(self.workers)}  # worker name -> position
         self.in_flight = [0] * len(self.workers)
@@ -314,11 +317,20 @@ class SimCluster:
         self.pending: dict[int, Pending] = {}
         self.rows: list[dict] = []
         self._next_rid = 0
-        c = hw.coefficients
+        c = self.coefficients = hw.coefficients
         lo = max(0.0, c.api_overhead_ms - c.api_jitter_ms) * 1e-3
         hi = (c.api_overhead_ms + c.api_jitter_ms) * 1e-3
         #: API-server delay of every request, ``[conversation index][turn]``, in seconds
         self.api_delay_s = api_delays(trace, lo, hi, common)
+        # The CPU build's API server shares its worker's core with the engine: the probes measure
+        # its work taking api_busy_factor f times as long beside a running engine, so over that
+        # window it has 1/f of the core and the engine the rest, whose steps then take f/(f-1)
+        # as long (the engine loses the API work's own time; f = 1: a host core of its own)
+        f = c.api_busy_factor
+        self._api_engine_share = f / (f - 1.0) if f > 1.0 else 1.0
+        #: per worker: requests in their API window beside its running engine
+        self.api_beside = [0] * len(self.workers)
+        self._device_share = [1.0] * len(self.workers)
         if self.scrape is not None:  # unsynchronised scrapers: worker i's first scrape at phase i
             self.scrape_phase_s = (common.random(len(self.workers)) * load_signal.interval_s).tolist()
 
@@ -329,9 +341,14 @@ class SimCluster:
             return
         share = float(max(1, sum(d.busy for d in peers)))
         for d in peers:
-            d.engine.share = share
+            self._device_share[d.index] = share
+            self._set_share(d.index)
             if d is not driver:
                 d.wake()
+
+    def _set_share(self, i: int) -> None:
+        """Worker ``i``'s engine's time share: its device's, and its API server's beside it."""
+        self.engines[i].share = self._device_share[i] * (self._api_engine_share if self.api_beside[i] else 1.0)
 
     # -- routing ------------------------------------------------------------------
     def route(
@@ -360,12 +377,22 @@ class SimCluster:
         done = env.event()
         self.pending[rid] = Pending(conv, turn, i, env.now, done, later)
         ereq = EngineRequest(rid, prompt, output, hashes)
-        api = env.timeout(self.api_delay_s[index][turn])
-        api.callbacks.append(lambda _ev: self._deliver(i, ereq))  # cheaper than a process
+        busy = not self.engines[i].idle
+        api = env.timeout(self.coefficients.api_delay_s(self.api_delay_s[index][turn], prompt, busy))
+        beside = busy and self._api_engine_share > 1.0
+        if beside:
+            self.api_beside[i] += 1
+            self._set_share(i)
+            self.drivers[i].wake()  # the step in progress ends, the next ones run slower
+        api.callbacks.append(lambda _ev: self._deliver(i, ereq, beside))  # cheaper than a process
         return done
 
-    def _deliver(self, i: int, ereq: EngineRequest) -> None:
-        """The API server hands the request to the engine's queue."""
+    def _deliver(self, i: int, ereq: EngineRequest, beside: bool = False) -> None:
+        """The API server hands the request to the engine's queue (``beside``: its work ran
+        beside the running engine, which gets its core back)."""
+        if beside:
+            self.api_beside[i] -= 1
+            self._set_share(i)
         ereq.arrival_s = self.env.now
         self.in_transit_tokens[i] -= ereq.prompt_tokens
         self.engines[i].add(ereq)
