@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -141,9 +142,10 @@ def test_a_full_batch_adds_a_slot_wait_to_the_queue_delay():
     assert v.queue_delay_s("b") == 0.0
     flights.append(v.begin("a", request(32), 32))  # 4 in flight: the new one waits one wave too
     assert v.queue_delay_s("a") == pytest.approx(2 * 30 * 0.02)
-    v.max_num_seqs = None  # without the cap the estimate has no slot wait
+    capped = v.delays
+    v.delays = dataclasses.replace(capped, max_num_seqs=None)  # without the cap the estimate has no slot wait
     assert v.queue_delay_s("a") == 0.0
-    v.max_num_seqs = 2
+    v.delays = capped
     cost = make_policy("cost_aware:alpha=1.0", np.random.default_rng(0))
     shared = request(64, hashes=[1, 2, 3, 4])
     v.snapshot()

@@ -181,6 +181,15 @@ class Hardware:
     kv_cache_bytes: float | None = None  # fixed KV budget (vLLM CPU's --kv-cache-memory-bytes)
     tensor_parallel: int = 1  # GPUs each worker spans (vLLM's --tensor-parallel-size)
     interconnect: Interconnect | None = None  # the link between a worker's GPUs (needed when tp > 1)
+    #: the profile's own coefficients (hardware/coefficients.yaml) when :func:`with_coefficients`
+    #: replaced them: what ``kvroute measure`` configures its gateway's delay estimates with
+    #: (``loadsignal.DelayModel``), so a simulated gateway view keeps them too; None: ``coefficients``
+    filed_coefficients: Coefficients | None = None
+
+    @property
+    def router_coefficients(self) -> Coefficients:
+        """The coefficients a router's delay estimates come from: the profile's own."""
+        return self.filed_coefficients or self.coefficients
 
     @property
     def worker_names(self) -> list[str]:
@@ -388,5 +397,5 @@ def with_coefficients(hw: Hardware, path: str | os.PathLike) -> Hardware:
         coef = Coefficients(**coefficient_values(raw[hw.coefficients_name]))
     except TypeError as exc:
         raise ValueError(f"--coefficients {path}: entry {hw.coefficients_name!r} is malformed: {exc}") from exc
-    return replace(hw, coefficients=coef)
+    return replace(hw, coefficients=coef, filed_coefficients=hw.router_coefficients)
 

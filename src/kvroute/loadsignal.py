@@ -15,6 +15,11 @@ Both worlds fill a policy's view with the same choice (docs/policies.md, "Load s
 Why a type of its own: the simulator, the gateway, ``kvroute measure`` and the records
 (column ``load_signal``) all need the same three options and the same label, so a
 simulated row and a measured one can be checked like for like.
+
+:class:`DelayModel` is how the gateway turns its counters into the queue-delay and prefill
+estimates a load-aware policy reads (``cost_aware``, ``hybrid_sticky``); the simulator's
+approximate view (the gateway's, ``view: approx``) computes them the same way, from the
+same parameters, so both routers decide on the same beliefs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 SOURCES = ("router", "scraped", "events")
+DEFAULT_PREFILL_S_PER_TOKEN = 1e-4  # ~0.1 ms/token: a 7B model's prefill on an A6000
+DEFAULT_DECODE_S_PER_RUNNING = 1e-3  # what one running request adds to a step ahead
 
 
 def _ms(value: float) -> str:
@@ -87,3 +94,56 @@ class LoadSignal:
 
 
 ROUTER = LoadSignal()
+
+
+@dataclass(frozen=True, slots=True)
+class DelayModel:
+    """The gateway's delay estimates (docs/live.md, the gateway view's ``queue_delay_s``).
+
+    Attributes:
+        prefill_s_per_token: the marginal prefill cost of a token (s).
+        decode_s_per_running: what one running request adds to a step ahead (s).
+        max_num_seqs: the engines' batch cap (``None``: no slot wait is estimated).
+        decode_step_s: one decode step with a full batch (s), for the slot wait.
+    """
+
+    prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
+    decode_s_per_running: float = DEFAULT_DECODE_S_PER_RUNNING
+    max_num_seqs: int | None = None
+    decode_step_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_s_per_token < 0 or self.decode_s_per_running < 0:
+            raise ValueError("prefill_s_per_token and decode_s_per_running must be >= 0")
+
+    @classmethod
+    def from_hardware(cls, hw) -> DelayModel:
+        """What ``kvroute measure`` gives its gateway: from the profile's cost model (its own
+        coefficients, ``hw.router_coefficients``, even where a calibration replaced them for
+        the engines), the marginal prefill cost per token (over 1,000 tokens), and the batch
+        cap with a full batch's decode step (at 1,000 tokens of context each) for the slot wait."""
+        from dataclasses import replace
+
+        from kvroute.costmodel import StepTimeModel
+
+        model = StepTimeModel.from_hardware(replace(hw, coefficients=hw.router_coefficients))
+        seqs = hw.engine.max_num_seqs
+        return cls(prefill_s_per_token=model.prefill_time(1000) / 1000, max_num_seqs=seqs,
+                   decode_step_s=model.step_time(seqs, seqs * 1000))
+
+    def queue_delay_s(self, waiting_tokens: float, running: int, in_flight: int, finished: int,
+                      output_tokens: int) -> float:
+        """The wait before a new request's prefill starts: the uncached prompt tokens queued
+        ahead (``waiting_tokens``) at ``prefill_s_per_token``, ``decode_s_per_running`` per
+        running request, and, with a full batch, ``ceil((in_flight + 1 - max_num_seqs) /
+        max_num_seqs)`` replies of the mean length so far (``output_tokens / finished``) at
+        ``decode_step_s`` a token."""
+        delay = waiting_tokens * self.prefill_s_per_token + running * self.decode_s_per_running
+        cap = self.max_num_seqs
+        if cap and in_flight >= cap and finished:
+            waves = -(-(in_flight + 1 - cap) // cap)
+            delay += waves * (output_tokens / finished) * self.decode_step_s
+        return delay
+
+    def prefill_time_s(self, tokens: int) -> float:
+        return tokens * self.prefill_s_per_token

@@ -196,6 +196,7 @@ WORKLOAD_SOURCES = _sources("src/kvroute/workload/*.py", "src/kvroute/experiment
 SIM_CORE_SOURCES = _sources(
     "src/kvroute/sim/*.py", "src/kvroute/kvcache/*.py", "src/kvroute/costmodel.py",
     "src/kvroute/hardware.py", "src/kvroute/workload/*.py", "src/kvroute/records.py",
+    "src/kvroute/loadsignal.py",
 )
 SIM_SOURCES = SIM_CORE_SOURCES + _sources("src/kvroute/policies/*.py")  # every policy: jobs that run them all
 ARITHMETIC_SOURCES = SIM_SOURCES + _sources("src/kvroute/analysis/arithmetic*.py")
@@ -207,6 +208,7 @@ ARITHMETIC_SOURCES = SIM_SOURCES + _sources("src/kvroute/analysis/arithmetic*.py
 LIVE_SOURCES = _sources(
     "src/kvroute/live/*.py", "src/kvroute/kvcache/*.py", "src/kvroute/hardware.py",
     "src/kvroute/workload/*.py", "src/kvroute/records.py", "src/kvroute/experiment.py",
+    "src/kvroute/loadsignal.py", "src/kvroute/costmodel.py",
 )
 CALIBRATE_SOURCES = SIM_SOURCES + _sources("src/kvroute/calibrate.py", "src/kvroute/experiment.py")
 PROBE_SOURCES = LIVE_SOURCES + _sources("src/kvroute/calibrate*.py", "src/kvroute/probefit.py", "src/kvroute/gpufit.py", "src/kvroute/costmodel.py")

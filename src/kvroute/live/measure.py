@@ -72,7 +72,7 @@ async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: s
         load_signal=load_signal,
         kv_capacity_blocks=hw.num_blocks,
         kv_block_size=hw.engine.block_size,
-        **_delay_model(hw),
+        **_delay_kwargs(hw),
         **kv,
     )
     await gw.start()
@@ -91,6 +91,15 @@ def _measure_peer(engines, hw, trace, spec: str, log_path: Path, **load_kwargs) 
         if r["worker"] == r["endpoint"]:
             r["worker"] = UNKNOWN_WORKER
     return result
+
+
+def _delay_kwargs(hw) -> dict:
+    """The gateway's delay estimates from the profile's cost model (:meth:`DelayModel.from_hardware`)."""
+    from dataclasses import asdict
+
+    from kvroute.loadsignal import DelayModel
+
+    return asdict(DelayModel.from_hardware(hw))
 
 
 def per_worker_load(result: LoadResult, names: list[str], urls: list[str]) -> dict[str, dict[str, float]]:
@@ -112,21 +121,6 @@ def per_worker_load(result: LoadResult, names: list[str], urls: list[str]) -> di
             "records_requests": float(sum(1 for r in result.rows if r["worker"] == name)),
         }
     return out
-
-
-def _delay_model(hw) -> dict[str, float]:
-    """The gateway view's delay estimates from the hardware profile's cost model: the
-    marginal prefill cost per token, and the batch cap with a full batch's decode step
-    (at 1,000 tokens of context each) for the slot wait."""
-    from kvroute.costmodel import StepTimeModel
-
-    model = StepTimeModel.from_hardware(hw)
-    seqs = hw.engine.max_num_seqs
-    return {
-        "prefill_s_per_token": model.prefill_time(1000) / 1000,
-        "max_num_seqs": seqs,
-        "decode_step_s": model.step_time(seqs, seqs * 1000),
-    }
 
 
 def measure_experiment(

@@ -61,11 +61,15 @@ from dataclasses import dataclass
 
 from kvroute.kvcache.index import ApproxPrefixIndex
 from kvroute.live.kv_events import ExactPrefixIndex
-from kvroute.loadsignal import ROUTER, LoadSignal
+from kvroute.loadsignal import (  # noqa: F401  (the defaults: the gateway's CLI reads them here)
+    DEFAULT_DECODE_S_PER_RUNNING,
+    DEFAULT_PREFILL_S_PER_TOKEN,
+    ROUTER,
+    DelayModel,
+    LoadSignal,
+)
 from kvroute.policies.base import RouteRequest
 
-DEFAULT_PREFILL_S_PER_TOKEN = 1e-4  # ~0.1 ms/token: a 7B model's prefill on an A6000
-DEFAULT_DECODE_S_PER_RUNNING = 1e-3  # what one running request adds to a step ahead
 
 
 @dataclass(slots=True)
@@ -161,14 +165,9 @@ class GatewayView:
             self.state[name] = WorkerState(name, url)
         if not self.state:
             raise ValueError("the gateway needs at least one worker")
-        if prefill_s_per_token < 0 or decode_s_per_running < 0:
-            raise ValueError("prefill_s_per_token and decode_s_per_running must be >= 0")
         self._workers = tuple(self.state)
         self.block_size = block_size
-        self.prefill_s_per_token = prefill_s_per_token
-        self.decode_s_per_running = decode_s_per_running
-        self.max_num_seqs = max_num_seqs
-        self.decode_step_s = decode_step_s
+        self.delays = DelayModel(prefill_s_per_token, decode_s_per_running, max_num_seqs, decode_step_s)
         self.index = ApproxPrefixIndex(self._workers, block_size, index_capacity_blocks, index_ttl_s)
         self.exact_index = exact_index
         #: the policy's ``index_on_finish``: the approximate index learns a decision when
@@ -230,17 +229,9 @@ class GatewayView:
         s = self.state[worker]
         if self.scraped:
             mean_uncached = s.uncached_routed / s.routed if s.routed else 0.0
-            return self._delay(s, s.scraped_waiting * mean_uncached, s.scraped_running,
-                               s.scraped_running + s.scraped_waiting)
-        return self._delay(s, s.waiting_uncached_tokens, s.running, s.in_flight)
-
-    def _delay(self, s: WorkerState, waiting_tokens: float, running: int, in_flight: int) -> float:
-        delay = waiting_tokens * self.prefill_s_per_token + running * self.decode_s_per_running
-        cap = self.max_num_seqs
-        if cap and in_flight >= cap and s.finished:
-            waves = -(-(in_flight + 1 - cap) // cap)
-            delay += waves * (s.output_tokens / s.finished) * self.decode_step_s
-        return delay
+            return self.delays.queue_delay_s(s.scraped_waiting * mean_uncached, s.scraped_running,
+                                             s.scraped_running + s.scraped_waiting, s.finished, s.output_tokens)
+        return self.delays.queue_delay_s(s.waiting_uncached_tokens, s.running, s.in_flight, s.finished, s.output_tokens)
 
     def matched_tokens(self, worker: str, request: RouteRequest) -> int:
         if request is self._match_request:
@@ -267,7 +258,7 @@ class GatewayView:
         return self.index.size(worker)
 
     def prefill_time_s(self, worker: str, tokens: int) -> float:
-        return tokens * self.prefill_s_per_token
+        return self.delays.prefill_time_s(tokens)
 
     def session_worker(self, session_id: str) -> str | None:
         return self.session_lookup(session_id)

@@ -23,7 +23,7 @@ from kvroute.costmodel import StepTimeModel
 from kvroute.hardware import Hardware
 from kvroute.kvcache.holders import Holders, LaggingHolders
 from kvroute.kvcache.index import ApproxPrefixIndex
-from kvroute.loadsignal import ROUTER, LoadSignal
+from kvroute.loadsignal import ROUTER, DelayModel, LoadSignal
 from kvroute.policies.base import Policy, RouteRequest
 from kvroute.sim.engine import Engine, EngineRequest
 from kvroute.sim.stream import ConversationStream
@@ -86,6 +86,9 @@ class WorkerDriver:
                     if rest > 0:
                         yield env.timeout(rest)
             first, finished = eng.commit(plan, steps, start)
+            if self.cluster.gateway_counters:
+                for r in first:
+                    self.cluster.first_token(r)
             for r in finished:
                 self.cluster.finished(self, r)
 
@@ -119,6 +122,8 @@ class Pending:
     arrival_s: float
     done: simpy.Event
     block_hashes: list[int] | None = None  # recorded in the approximate index when it finishes
+    uncached: int = 0  # prompt tokens the approximate index did not match when it was routed
+    running: bool = False  # its first token is back (the gateway's counters)
 
 
 #: From this many workers on, the exact view answers from a cluster-wide holders index
@@ -161,7 +166,11 @@ class SimView:
 
     def queue_delay_s(self, worker: str) -> float:
         i = self._index[worker]
-        return self.c.engines[i].queue_delay_s(self.c.in_transit_tokens[i])
+        c = self.c
+        if not self.exact:  # the gateway's estimate over the gateway's counters
+            return c.delays.queue_delay_s(c.waiting_uncached[i], c.router_running[i], c.in_flight[i],
+                                          c.finished_requests[i], c.finished_output[i])
+        return c.engines[i].queue_delay_s(c.in_transit_tokens[i])
 
     def matched_tokens(self, worker: str, request: RouteRequest) -> int:
         if not self.exact:
@@ -187,6 +196,8 @@ class SimView:
         return self.c.index.size(worker)
 
     def prefill_time_s(self, worker: str, tokens: int) -> float:
+        if not self.exact:
+            return self.c.delays.prefill_time_s(tokens)
         return self.c.model.prefill_time(tokens)
 
     def session_worker(self, session_id: str) -> str | None:
@@ -314,6 +325,16 @@ class SimCluster:
             self.view = EventsSimView(self, lag)
         else:
             self.view = SimView(self, exact)
+        # The approximate view is the gateway's (kvroute.live.view): its delay estimates come
+        # from the gateway's own counters (routed, first byte back, finished) through the
+        # gateway's formula with the parameters kvroute measure gives it, not from the engines
+        self.gateway_counters = not exact
+        self.delays = DelayModel.from_hardware(hw)
+        n = len(self.workers)
+        self.router_running = [0] * n
+        self.waiting_uncached = [0] * n
+        self.finished_requests = [0] * n
+        self.finished_output = [0] * n
         self.pending: dict[int, Pending] = {}
         self.rows: list[dict] = []
         self._next_rid = 0
@@ -367,7 +388,10 @@ class SimCluster:
         i = self.worker_index[worker]
         self.sessions[conv.id] = worker
         later = None
+        uncached = 0
         if not self.view.exact:  # the exact view reads the engines; no index to keep
+            uncached = prompt - min(self.index.match(worker, req.block_hashes, env.now) * bs, prompt)
+            self.waiting_uncached[i] += uncached
             if self.policy.index_on_finish:
                 later = req.block_hashes  # the index learns the decision when the request ends
             else:
@@ -375,7 +399,7 @@ class SimCluster:
         self.in_flight[i] += 1
         self.in_transit_tokens[i] += prompt
         done = env.event()
-        self.pending[rid] = Pending(conv, turn, i, env.now, done, later)
+        self.pending[rid] = Pending(conv, turn, i, env.now, done, later, uncached)
         ereq = EngineRequest(rid, prompt, output, hashes)
         busy = not self.engines[i].idle
         api = env.timeout(self.coefficients.api_delay_s(self.api_delay_s[index][turn], prompt, busy))
@@ -398,9 +422,25 @@ class SimCluster:
         self.engines[i].add(ereq)
         self.drivers[i].wake()
 
+    def first_token(self, r: EngineRequest) -> None:
+        """The gateway sees the request's first byte: running, its prefill no longer queued."""
+        p = self.pending[r.rid]
+        if not p.running:
+            p.running = True
+            self.router_running[p.worker] += 1
+            self.waiting_uncached[p.worker] -= p.uncached
+
     def finished(self, driver: WorkerDriver, r: EngineRequest) -> None:
         p = self.pending.pop(r.rid)
         self.in_flight[p.worker] -= 1
+        if self.gateway_counters:
+            w = p.worker
+            if p.running:
+                self.router_running[w] -= 1
+            else:
+                self.waiting_uncached[w] -= p.uncached
+            self.finished_requests[w] += 1
+            self.finished_output[w] += r.output_tokens
         if p.block_hashes is not None:
             self.index.record(self.workers[p.worker], p.block_hashes, self.env.now)
         self.rows.append(
