@@ -15,6 +15,7 @@ from kvroute.probefit import (FITTED, Observation, coefficient_entry, collect, f
 TRUTH = {"compute_efficiency": 1.3, "mem_efficiency": 0.8, "step_overhead_ms": 3.0, "per_seq_overhead_ms": 0.25}
 API_MS, JITTER_MS, ADMISSION_MS = 12.0, 4.0, 3.5
 PER_PROMPT_TOKEN_MS = 0.004  # the API server's templating and tokenising, per prompt token
+BUSY_FACTOR = 1.7  # the API delay's stretch beside a running engine
 HW = load_hardware("cpu")
 PLAN = ProbePlan(api_probes=40, repetitions=2, decode_tokens=24)
 TEMPLATE = 12  # chat-template tokens around a message's words
@@ -70,6 +71,24 @@ def synthetic_requests(noise: float = 0.0, seed: int = 1) -> list[ProbeRequest]:
                                                  sent_s=t, token_s=times, prompt_tokens=prompt, output_tokens=k,
                                                  engine=engine if j == 0 else {}))
                     group += 1
+        # API probes beside max_num_seqs - 1 decoding streams: the stretched API delay, and the
+        # wait for the step in progress (half a step of the background), before the engine's time
+        n_bg, bg_prompt = HW.engine.max_num_seqs - 1, 32 + TEMPLATE
+        wait = 0.5 * m.step_time(n_bg, n_bg * bg_prompt)
+        for i in range(8):
+            words = (4, 1152)[i % 2]
+            prompt = words + TEMPLATE
+            for j in range(n_bg):
+                reqs.append(ProbeRequest(w, "busy_background", f"b{i}:bg{j}", 32, 96, rep=i % 2, batch=n_bg + 1,
+                                         sent_s=t, token_s=[t + 0.01 * k for k in range(96)], prompt_tokens=bg_prompt,
+                                         output_tokens=96))
+            pre = predict(Observation("prefill", prompt, 0, 1, 1.0), m, budget, ADMISSION_MS) / 1e3
+            idle = API_MS + PER_PROMPT_TOKEN_MS * prompt
+            api = (BUSY_FACTOR * (idle + ADMISSION_MS) - ADMISSION_MS) / 1e3 + wait
+            reqs.append(ProbeRequest(w, "api_busy", f"b{i}", words, 2, rep=i % 2, batch=n_bg + 1, sent_s=t,
+                                     token_s=[t + api + pre] * 2, prompt_tokens=prompt, output_tokens=2,
+                                     engine={"queue_s": 0.0, "prefill_s": pre, "decode_s": 0.0, "ttft_s": pre,
+                                             "requests": 1.0}))
     return reqs
 
 
@@ -89,6 +108,13 @@ def test_the_fit_recovers_known_coefficients():
     assert fit.coefficients["api_per_prompt_token_ms"] == pytest.approx(PER_PROMPT_TOKEN_MS, rel=0.15)
     se = fit.errors["api_per_prompt_token_ms"]
     assert math.isfinite(se) and 0 < se < PER_PROMPT_TOKEN_MS / 2
+    # the stretch beside a running engine, the wait for the step in progress taken out
+    assert fit.coefficients["api_busy_factor"] == pytest.approx(BUSY_FACTOR, rel=0.05)
+
+
+def test_without_busy_probes_the_api_delay_is_not_stretched():
+    fit = fit_probes([r for r in synthetic_requests() if r.phase not in ("api_busy", "busy_background")], HW)
+    assert fit.coefficients["api_busy_factor"] == 1.0
 
 
 def test_an_api_cost_that_does_not_grow_with_the_prompt_gives_no_slope():

@@ -35,9 +35,11 @@ and ``api_cost_ms`` is the minimal probes' median less that slope's share. On th
 the API server shares its core with the engine core, so while the engine runs it gets only part
 of the core: the ``api_busy`` probes (sent while other streams decode) give ``api_busy_factor``,
 the median ratio of their delay to the idle one at their length (``admission_ms`` added to both,
-as the simulator charges it), which the simulator applies to a request that finds its engine
-busy, running that engine's steps ``f/(f-1)`` times as long meanwhile (the engine loses the
-API server's share of the core). The cost per
+as the simulator charges it), each less the wait for the engine's step in progress (half a
+decode step of the streams beside it: vLLM starts its queue time only when the engine core
+takes the request, between steps, and the simulator's engine charges that wait itself). The
+simulator stretches the API work by it while the engine runs and, the two processes sharing
+the core fairly, slows the engine for as long (kvroute.sim.cluster). The cost per
 streamed token (client gap less the engine's) is reported; the simulator has no such term.
 """
 
@@ -120,8 +122,9 @@ class Samples:
     api_tokens: list[int] = field(default_factory=list)  # the minimal probes' prompt tokens
     #: (client TTFT - engine queue - engine prefill, prompt tokens) of every minimal and prefill probe
     api_by_tokens: list[tuple[float, int]] = field(default_factory=list)
-    #: the same difference and prompt tokens of every API probe sent while the engine decoded
-    busy: list[tuple[float, int]] = field(default_factory=list)
+    #: every API probe sent while the engine decoded: the same difference, its prompt tokens,
+    #: the streams decoding beside it and their context (tokens)
+    busy: list[tuple[float, int, int, float]] = field(default_factory=list)
     per_token: list[float] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
 
@@ -131,6 +134,8 @@ def collect(requests: Iterable[ProbeRequest]) -> Samples:
     (a decode batch is one sample, on its first request's row)."""
     s = Samples()
     groups: dict[tuple[int, str, int], list[ProbeRequest]] = {}  # (session, worker, batch)
+    background = [r.prompt_tokens for r in requests if r.phase == "busy_background" and not r.error]
+    background_ctx = statistics.median(background) if background else 0.0
     for r in requests:
         row = r.row() | {"kind": r.phase, "measured_ms": math.nan, "context": math.nan, "used": False}
         ok = not r.error
@@ -142,7 +147,7 @@ def collect(requests: Iterable[ProbeRequest]) -> Samples:
             row |= {"kind": "api", "measured_ms": api, "used": True}
         elif r.phase == "api_busy" and ok:
             api = r.ttft_ms - 1e3 * (r.engine["queue_s"] + r.engine["prefill_s"])
-            s.busy.append((api, r.prompt_tokens))
+            s.busy.append((api, r.prompt_tokens, r.batch - 1, background_ctx))
             row |= {"kind": "api_busy", "measured_ms": api, "used": True}
         elif r.phase == "prefill" and ok:
             ms = 1e3 * r.engine["prefill_s"]
@@ -263,7 +268,7 @@ def _estimate(s: Samples, obs: list[Observation], hw: Hardware) -> tuple[dict[st
     api = np.asarray(s.api)
     est |= {"api_cost_ms": float(np.median(api - slope * np.asarray(s.api_tokens, dtype=float))), "api_jitter_ms": _iqr(api),
             PER_TOKEN: slope}
-    est[BUSY] = busy_factor(s, est)
+    est[BUSY] = busy_factor(s, est, hw)
     # the simulator has no admission cost: a request pays it once before its first token, as it
     # pays the API server's, so it joins api_overhead_ms (exact on an idle engine)
     est["api_overhead_ms"] = est["api_cost_ms"] + est[ADMISSION]
@@ -284,18 +289,29 @@ def api_slope(s: Samples) -> tuple[float, float]:
     return max(0.0, float(res.slope)), float(res.high_slope - res.low_slope) / 3.92
 
 
-def busy_ratios(s: Samples, est: dict[str, float]) -> np.ndarray:
+def step_wait_ms(s: Samples, est: dict[str, float], hw: Hardware) -> np.ndarray:
+    """Per ``api_busy`` probe: the mean wait for the engine's step in progress, half a decode
+    step of the streams beside it (the fitted model's). The engine core takes a new request
+    only between steps and vLLM starts its queue time there, so the probe's cost outside the
+    engine holds that wait; the simulator's engine charges it itself."""
+    busy = np.asarray(s.busy, dtype=float).reshape(-1, 4)
+    m = model_at(hw, est)
+    return np.array([0.5e3 * m.step_time(int(n), int(n) * ctx) if n > 0 else 0.0 for n, ctx in busy[:, 2:]])
+
+
+def busy_ratios(s: Samples, est: dict[str, float], hw: Hardware) -> np.ndarray:
     """Each ``api_busy`` probe's delay over the idle one at its length, as the simulator
-    charges them: the API cost plus ``admission_ms``, which the simulator adds to it."""
-    busy = np.asarray(s.busy, dtype=float).reshape(-1, 2)
+    charges them: the API cost, less the wait for the step in progress
+    (:func:`step_wait_ms`), plus ``admission_ms``, which the simulator adds to it."""
+    busy = np.asarray(s.busy, dtype=float).reshape(-1, 4)
     idle = est["api_cost_ms"] + est[ADMISSION] + est[PER_TOKEN] * busy[:, 1]
-    return (busy[:, 0] + est[ADMISSION]) / idle
+    return (busy[:, 0] - step_wait_ms(s, est, hw) + est[ADMISSION]) / idle
 
 
-def busy_factor(s: Samples, est: dict[str, float]) -> float:
+def busy_factor(s: Samples, est: dict[str, float], hw: Hardware) -> float:
     """How much longer a request's API delay is while its engine runs: the median of
     :func:`busy_ratios`, not below 1; 1 without busy probes (nothing measured, nothing added)."""
-    ratios = busy_ratios(s, est)
+    ratios = busy_ratios(s, est, hw)
     return max(1.0, float(np.median(ratios))) if ratios.size else 1.0
 
 
@@ -345,7 +361,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     api = np.asarray(s.api)
     se_fit |= {"api_cost_ms": bootstrap_se(api, np.median), "api_jitter_ms": bootstrap_se(api, _iqr),
                PER_TOKEN: api_slope(s)[1],
-               BUSY: bootstrap_se(busy_ratios(s, est), np.median)
+               BUSY: bootstrap_se(busy_ratios(s, est, hw), np.median)
                if len(s.busy) >= 3 else math.nan}
     se_fit["api_overhead_ms"] = math.hypot(se_fit["api_cost_ms"], se_fit[ADMISSION])
     # a delete-one-block jackknife over (session, worker, repetition) blocks of probes; and,
@@ -364,6 +380,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     admission = est[ADMISSION]
     m = model_at(hw, coef)
     predicted = [predict(o, m, budget, admission) for o in obs]
+    wait = float(np.median(step_wait_ms(s, est, hw))) if s.busy else 0.0  # the busy probes' step in progress
     for row in s.rows:
         if row["kind"] == "prefill" and row["used"]:
             o = Observation("prefill", int(row["prompt_tokens"]), int(row["cached_tokens"]), 1, row["measured_ms"])
@@ -373,8 +390,8 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
                                                       row["measured_ms"]), m, budget)
         elif row["kind"] in ("api", "api_busy"):
             idle = est["api_cost_ms"] + est[PER_TOKEN] * row["prompt_tokens"]
-            row["predicted_ms"] = (est[BUSY] * (idle + est[ADMISSION]) - est[ADMISSION] if row["kind"] == "api_busy"
-                                   else idle)
+            row["predicted_ms"] = (est[BUSY] * (idle + est[ADMISSION]) - est[ADMISSION] + wait
+                                   if row["kind"] == "api_busy" else idle)
     measured = {k: {"value": est[k], "se": se[k], "se_fit": se_fit[k], "se_jackknife": se_jack[k],
                     "se_processes": se_workers[k]}
                 for k in ("api_cost_ms", ADMISSION, "api_overhead_ms", "api_jitter_ms", PER_TOKEN, BUSY)}
@@ -444,9 +461,12 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "api_cost_ms is the minimal probes' median less the slope's share",
             "api_busy_factor is the median, over API probes sent while max_num_seqs - 1 other streams decoded on "
             "the same engine, of their delay over the idle one at their length, each with admission_ms added as "
-            "the simulator charges it (bootstrap se; 1 without such probes): on the CPU build the API server "
-            "shares its core with the engine core; the simulator multiplies the API delay of a request that "
-            "finds its engine busy by it, and over that delay runs the engine's steps f/(f-1) times as long",
+            "the simulator charges it and less half a decode step of the streams beside it (the wait for the "
+            "step in progress, which the simulator's engine charges itself; bootstrap se; 1 without such "
+            "probes): on the CPU build the API server shares its core with the engine core; the simulator runs "
+            "a request's API work at 1/f of its speed while its engine runs, and the engine's steps f/(f-c) "
+            "times as long while API work is in progress, c = min(1, f - 1) being the part of the API delay "
+            "that is work on that core when the two share it fairly",
             "api_per_token_ms (client gap - engine gap per streamed token) is reported only: the simulator "
             "has no per-token API cost",
             "activation_reserve_gb is kept from the profile's entry: the cpu profile gives its KV budget directly",

@@ -51,6 +51,8 @@ class WorkerDriver:
         if busy != self.busy:
             self.busy = busy
             self.cluster.device_load_changed(self)
+            if self.cluster.api_shares_core:
+                self.cluster.engine_busy_changed(self.index)
 
     def _run(self):
         env, eng = self.env, self.engine
@@ -110,6 +112,19 @@ def api_delays(trace: Trace, lo: float, hi: float, common: np.random.Generator) 
         out.append(flat[start : start + n])
         start += n
     return out
+
+
+@dataclass(slots=True)
+class ApiJob:
+    """A request in its API server (when the server shares its engine's core): ``left_s`` of
+    work at idle speed, done at ``rate`` (1, or 1/f beside the running engine) since ``since``;
+    ``token`` tells a stale completion event from the current one."""
+
+    ereq: EngineRequest
+    left_s: float
+    rate: float
+    since: float
+    token: int = 0
 
 
 @dataclass(slots=True)
@@ -344,13 +359,19 @@ class SimCluster:
         #: API-server delay of every request, ``[conversation index][turn]``, in seconds
         self.api_delay_s = api_delays(trace, lo, hi, common)
         # The CPU build's API server shares its worker's core with the engine: the probes measure
-        # its work taking api_busy_factor f times as long beside a running engine, so over that
-        # window it has 1/f of the core and the engine the rest, whose steps then take f/(f-1)
-        # as long (the engine loses the API work's own time; f = 1: a host core of its own)
+        # its work taking api_busy_factor f times as long beside a running engine. Two runnable
+        # processes on one core share it fairly, each at half speed, so the part of the API
+        # delay that is work on that core is c = f - 1 (at most all of it) and the engine loses
+        # that much time: while the engine runs, a request's API work proceeds at 1/f of its
+        # idle speed (processor sharing, re-timed whenever the engine starts or stops), and the
+        # engine, while any API work is in progress, runs its steps f/(f-c) times as long (f
+        # itself up to f = 2). f = 1 (GPU families: a host core of their own) changes nothing.
         f = c.api_busy_factor
-        self._api_engine_share = f / (f - 1.0) if f > 1.0 else 1.0
-        #: per worker: requests in their API window beside its running engine
-        self.api_beside = [0] * len(self.workers)
+        self.api_shares_core = f > 1.0
+        self._api_engine_share = f / (f - min(1.0, f - 1.0)) if self.api_shares_core else 1.0
+        self._api_rate_busy = 1.0 / f if self.api_shares_core else 1.0
+        #: per worker: requests in its API server (only when it shares the engine's core)
+        self.api_jobs: list[list[ApiJob]] = [[] for _ in self.workers]
         self._device_share = [1.0] * len(self.workers)
         if self.scrape is not None:  # unsynchronised scrapers: worker i's first scrape at phase i
             self.scrape_phase_s = (common.random(len(self.workers)) * load_signal.interval_s).tolist()
@@ -369,7 +390,36 @@ class SimCluster:
 
     def _set_share(self, i: int) -> None:
         """Worker ``i``'s engine's time share: its device's, and its API server's beside it."""
-        self.engines[i].share = self._device_share[i] * (self._api_engine_share if self.api_beside[i] else 1.0)
+        self.engines[i].share = self._device_share[i] * (self._api_engine_share if self.api_jobs[i] else 1.0)
+
+    # -- the API server beside the engine (api_busy_factor > 1) ---------------------
+    def _api_rate(self, i: int) -> float:
+        return 1.0 if self.engines[i].idle else self._api_rate_busy
+
+    def _api_schedule(self, i: int, job: ApiJob) -> None:
+        job.token += 1
+        token = job.token
+        self.env.timeout(job.left_s / job.rate).callbacks.append(lambda _ev: self._api_done(i, job, token))
+
+    def _api_done(self, i: int, job: ApiJob, token: int) -> None:
+        if token != job.token:  # re-timed since: a later event finishes it
+            return
+        self.api_jobs[i].remove(job)
+        self._set_share(i)
+        self._deliver(i, job.ereq)
+
+    def engine_busy_changed(self, i: int) -> None:
+        """Worker ``i``'s engine started or stopped: its API jobs change speed from now on."""
+        jobs = self.api_jobs[i]
+        if not jobs:
+            return
+        now, rate = self.env.now, self._api_rate(i)
+        for job in jobs:
+            job.left_s = max(0.0, job.left_s - (now - job.since) * job.rate)
+            job.since = now
+            if rate != job.rate:
+                job.rate = rate
+                self._api_schedule(i, job)
 
     # -- routing ------------------------------------------------------------------
     def route(
@@ -401,22 +451,21 @@ class SimCluster:
         done = env.event()
         self.pending[rid] = Pending(conv, turn, i, env.now, done, later, uncached)
         ereq = EngineRequest(rid, prompt, output, hashes)
-        busy = not self.engines[i].idle
-        api = env.timeout(self.coefficients.api_delay_s(self.api_delay_s[index][turn], prompt, busy))
-        beside = busy and self._api_engine_share > 1.0
-        if beside:
-            self.api_beside[i] += 1
+        work = self.coefficients.api_delay_s(self.api_delay_s[index][turn], prompt, False)
+        if not self.api_shares_core:
+            env.timeout(work).callbacks.append(lambda _ev: self._deliver(i, ereq))  # cheaper than a process
+            return done
+        job = ApiJob(ereq, work, self._api_rate(i), env.now)
+        self.api_jobs[i].append(job)
+        self._api_schedule(i, job)
+        if len(self.api_jobs[i]) == 1:
             self._set_share(i)
-            self.drivers[i].wake()  # the step in progress ends, the next ones run slower
-        api.callbacks.append(lambda _ev: self._deliver(i, ereq, beside))  # cheaper than a process
+            if not self.engines[i].idle:
+                self.drivers[i].wake()  # the step in progress ends, the next ones run slower
         return done
 
-    def _deliver(self, i: int, ereq: EngineRequest, beside: bool = False) -> None:
-        """The API server hands the request to the engine's queue (``beside``: its work ran
-        beside the running engine, which gets its core back)."""
-        if beside:
-            self.api_beside[i] -= 1
-            self._set_share(i)
+    def _deliver(self, i: int, ereq: EngineRequest) -> None:
+        """The API server hands the request to the engine's queue."""
         ereq.arrival_s = self.env.now
         self.in_transit_tokens[i] -= ereq.prompt_tokens
         self.engines[i].add(ereq)
