@@ -8,7 +8,7 @@ import yaml
 
 from kvroute.hardware import load_hardware, with_coefficients
 from kvroute.live.view import GatewayView
-from kvroute.loadsignal import DelayModel
+from kvroute.loadsignal import ROUTER, DelayModel, LoadSignal
 from kvroute.policies import make_policy
 from kvroute.policies.base import RouteRequest
 from kvroute.sim.cluster import SimCluster
@@ -23,12 +23,16 @@ class _Mirrored(SimCluster):
     def __init__(self, *args):
         super().__init__(*args)
         self.gateway = GatewayView([(w, f"http://{w}") for w in self.workers], self.hw.engine.block_size,
-                                   **dataclasses.asdict(self.delays))
+                                   load_signal=self.load_signal, **dataclasses.asdict(self.delays))
         self.flights = {}
         self.checked = 0
         self.nonzero = 0
 
     def route(self, conv, index, turn, stream, prompt, output):
+        if self.scrape is not None:  # the gateway is handed the same gauges as the simulated scrape read
+            for i, w in enumerate(self.workers):
+                self.gateway.apply_scrape(w, {"num_requests_running": self.scrape.running[i],
+                                              "num_requests_waiting": self.scrape.in_flight[i] - self.scrape.running[i]})
         for w in self.workers:
             sim, gw = self.view.queue_delay_s(w), self.gateway.queue_delay_s(w)
             assert sim == pytest.approx(gw, abs=1e-12), (w, sim, gw)
@@ -52,11 +56,12 @@ class _Mirrored(SimCluster):
         self.gateway.finish(f)
 
 
+@pytest.mark.parametrize("signal", [ROUTER, LoadSignal("scraped", interval_ms=50.0)], ids=["router", "scraped"])
 @pytest.mark.parametrize("spec", ["cost_aware:alpha=1.0", "hybrid_sticky:threshold_ms=50"])
-def test_the_approximate_view_estimates_delays_as_the_gateway_does(spec):
+def test_the_approximate_view_estimates_delays_as_the_gateway_does(spec, signal):
     hw = load_hardware("cpu")
     trace = generate("note2", 3, chats=12, turns=4, system_words=300, user_words=60, reply_tokens=32, ramp_s=0.5)
-    cluster = _Mirrored(trace, hw, make_policy(spec, np.random.default_rng(0)), common_rng(3, 0), False)
+    cluster = _Mirrored(trace, hw, make_policy(spec, np.random.default_rng(0)), common_rng(3, 0), False, signal)
     rows = cluster.run()
     assert len(rows) == 12 * 4 and cluster.checked == 2 * len(rows)
     assert cluster.nonzero > len(rows) / 4, "the test needs queues the estimate sees"

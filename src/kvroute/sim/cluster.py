@@ -226,7 +226,9 @@ class Scrape:
     (the same engine in real time) exposes them: a request counts from the moment the
     API server accepts it, its API-server delay included, as the router's own counter
     does; ``used_blocks`` is ``kv_cache_usage_perc`` times the pool's blocks;
-    ``queue_delay_s`` is the engine's estimate (:meth:`Engine.queue_delay_s`) then.
+    ``queue_delay_s`` is the engine's estimate (:meth:`Engine.queue_delay_s`) then, which the
+    exact view reads; the approximate view (the gateway's) computes the gateway's formula over
+    the scraped counts instead, as :class:`~kvroute.live.view.GatewayView` does.
     """
 
     __slots__ = ("in_flight", "running", "used_blocks", "queue_delay_s")
@@ -261,7 +263,14 @@ class ScrapedSimView(SimView):
         return self.scrape.used_blocks[self._index[worker]]
 
     def queue_delay_s(self, worker: str) -> float:
-        return self.scrape.queue_delay_s[self._index[worker]]
+        i = self._index[worker]
+        if not self.exact:  # the gateway's formula over the scraped counts (kvroute.live.view)
+            c, sc = self.c, self.scrape
+            waiting = sc.in_flight[i] - sc.running[i]
+            mean_uncached = c.uncached_routed[i] / c.routed[i] if c.routed[i] else 0.0
+            return c.delays.queue_delay_s(waiting * mean_uncached, sc.running[i], sc.in_flight[i],
+                                          c.finished_requests[i], c.finished_output[i])
+        return self.scrape.queue_delay_s[i]
 
 
 class EventsSimView(SimView):
@@ -350,6 +359,8 @@ class SimCluster:
         self.waiting_uncached = [0] * n
         self.finished_requests = [0] * n
         self.finished_output = [0] * n
+        self.routed = [0] * n  # requests routed to each worker, and their uncached prompt tokens
+        self.uncached_routed = [0] * n
         self.pending: dict[int, Pending] = {}
         self.rows: list[dict] = []
         self._next_rid = 0
@@ -442,6 +453,8 @@ class SimCluster:
         if not self.view.exact:  # the exact view reads the engines; no index to keep
             uncached = prompt - min(self.index.match(worker, req.block_hashes, env.now) * bs, prompt)
             self.waiting_uncached[i] += uncached
+            self.routed[i] += 1
+            self.uncached_routed[i] += uncached
             if self.policy.index_on_finish:
                 later = req.block_hashes  # the index learns the decision when the request ends
             else:
