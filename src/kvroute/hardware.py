@@ -140,12 +140,11 @@ class Coefficients:
     #: both); measured by the CPU probes, 1 where unmeasured
     api_busy_factor: float = 1.0
 
-    def api_delay_s(self, drawn_s: float, prompt_tokens: int, engine_busy: bool) -> float:
-        """One request's API-server delay in seconds: its draw in ``api_overhead_ms ±
-        api_jitter_ms`` (``drawn_s``), plus its prompt's share, stretched by
-        ``api_busy_factor`` when its engine is running."""
-        delay = drawn_s + self.api_per_prompt_token_ms * prompt_tokens * 1e-3
-        return delay * self.api_busy_factor if engine_busy else delay
+    def api_work_s(self, drawn_s: float, prompt_tokens: int) -> float:
+        """One request's API-server delay in seconds beside an idle engine: its draw in
+        ``api_overhead_ms ± api_jitter_ms`` (``drawn_s``) plus its prompt's share. Beside a
+        running engine it takes up to ``api_busy_factor`` times as long (kvroute.sim.cluster)."""
+        return drawn_s + self.api_per_prompt_token_ms * prompt_tokens * 1e-3
 
 
 @dataclass(frozen=True)

@@ -145,5 +145,13 @@ class DelayModel:
             delay += waves * (output_tokens / finished) * self.decode_step_s
         return delay
 
+    def scraped_queue_delay_s(self, running: int, waiting: int, routed: int, uncached_routed: int, finished: int,
+                              output_tokens: int) -> float:
+        """:meth:`queue_delay_s` over scraped counts: the gauges carry no token counts, so the
+        waiting requests' uncached tokens are their count times the mean uncached prompt of
+        the ``routed`` requests sent to the worker (``uncached_routed`` tokens in all)."""
+        mean_uncached = uncached_routed / routed if routed else 0.0
+        return self.queue_delay_s(waiting * mean_uncached, running, running + waiting, finished, output_tokens)
+
     def prefill_time_s(self, tokens: int) -> float:
         return tokens * self.prefill_s_per_token

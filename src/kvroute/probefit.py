@@ -129,6 +129,11 @@ class Samples:
     rows: list[dict] = field(default_factory=list)
 
 
+def _outside_engine_ms(r: ProbeRequest) -> float:
+    """The client's TTFT less the engine's queue and prefill time: the API server's cost."""
+    return r.ttft_ms - 1e3 * (r.engine["queue_s"] + r.engine["prefill_s"])
+
+
 def collect(requests: Iterable[ProbeRequest]) -> Samples:
     """Turn probe requests into samples; requests with an error are kept as rows, unused
     (a decode batch is one sample, on its first request's row)."""
@@ -140,19 +145,19 @@ def collect(requests: Iterable[ProbeRequest]) -> Samples:
         row = r.row() | {"kind": r.phase, "measured_ms": math.nan, "context": math.nan, "used": False}
         ok = not r.error
         if r.phase == "api" and ok:
-            api = r.ttft_ms - 1e3 * (r.engine["queue_s"] + r.engine["prefill_s"])
+            api = _outside_engine_ms(r)
             s.api.append(api)
             s.api_tokens.append(r.prompt_tokens)
             s.api_by_tokens.append((api, r.prompt_tokens))
             row |= {"kind": "api", "measured_ms": api, "used": True}
         elif r.phase == "api_busy" and ok:
-            api = r.ttft_ms - 1e3 * (r.engine["queue_s"] + r.engine["prefill_s"])
+            api = _outside_engine_ms(r)
             s.busy.append((api, r.prompt_tokens, r.batch - 1, background_ctx))
             row |= {"kind": "api_busy", "measured_ms": api, "used": True}
         elif r.phase == "prefill" and ok:
             ms = 1e3 * r.engine["prefill_s"]
             s.prefill.setdefault((r.words, r.warm), []).append((ms, r.prompt_tokens, r.cached_tokens))
-            api = r.ttft_ms - 1e3 * (r.engine["queue_s"] + r.engine["prefill_s"])
+            api = _outside_engine_ms(r)
             s.api_by_tokens.append((api, r.prompt_tokens))
             row |= {"kind": "prefill", "measured_ms": ms, "context": r.cached_tokens, "used": True, "api_ms": api}
         elif r.phase == "decode":

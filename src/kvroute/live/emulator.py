@@ -153,8 +153,11 @@ class EmulatedWorker:
         job = Job(EngineRequest(rid, len(prompt_ids), max_tokens, hashes), reply)
         self.jobs[rid] = job
         self._in_transit += 1
-        delay = self.hw.coefficients.api_delay_s(float(self.rng.uniform(self._api_lo, self._api_hi)), len(prompt_ids),
-                                                 not self.engine.idle) * self.time_scale
+        c = self.hw.coefficients
+        delay = c.api_work_s(float(self.rng.uniform(self._api_lo, self._api_hi)), len(prompt_ids))
+        if not self.engine.idle:  # stretched as a whole, beside the engine it finds running (no re-timing)
+            delay *= c.api_busy_factor
+        delay *= self.time_scale
         asyncio.get_running_loop().call_later(delay, self._deliver, job)
         return job
 

@@ -61,13 +61,7 @@ from dataclasses import dataclass
 
 from kvroute.kvcache.index import ApproxPrefixIndex
 from kvroute.live.kv_events import ExactPrefixIndex
-from kvroute.loadsignal import (  # noqa: F401  (the defaults: the gateway's CLI reads them here)
-    DEFAULT_DECODE_S_PER_RUNNING,
-    DEFAULT_PREFILL_S_PER_TOKEN,
-    ROUTER,
-    DelayModel,
-    LoadSignal,
-)
+from kvroute.loadsignal import DEFAULT_DECODE_S_PER_RUNNING, DEFAULT_PREFILL_S_PER_TOKEN, ROUTER, DelayModel, LoadSignal
 from kvroute.policies.base import RouteRequest
 
 
@@ -228,9 +222,8 @@ class GatewayView:
     def queue_delay_s(self, worker: str) -> float:
         s = self.state[worker]
         if self.scraped:
-            mean_uncached = s.uncached_routed / s.routed if s.routed else 0.0
-            return self.delays.queue_delay_s(s.scraped_waiting * mean_uncached, s.scraped_running,
-                                             s.scraped_running + s.scraped_waiting, s.finished, s.output_tokens)
+            return self.delays.scraped_queue_delay_s(s.scraped_running, s.scraped_waiting, s.routed, s.uncached_routed,
+                                                     s.finished, s.output_tokens)
         return self.delays.queue_delay_s(s.waiting_uncached_tokens, s.running, s.in_flight, s.finished, s.output_tokens)
 
     def matched_tokens(self, worker: str, request: RouteRequest) -> int:

@@ -266,10 +266,8 @@ class ScrapedSimView(SimView):
         i = self._index[worker]
         if not self.exact:  # the gateway's formula over the scraped counts (kvroute.live.view)
             c, sc = self.c, self.scrape
-            waiting = sc.in_flight[i] - sc.running[i]
-            mean_uncached = c.uncached_routed[i] / c.routed[i] if c.routed[i] else 0.0
-            return c.delays.queue_delay_s(waiting * mean_uncached, sc.running[i], sc.in_flight[i],
-                                          c.finished_requests[i], c.finished_output[i])
+            return c.delays.scraped_queue_delay_s(sc.running[i], sc.in_flight[i] - sc.running[i], c.routed[i],
+                                                  c.uncached_routed[i], c.finished_requests[i], c.finished_output[i])
         return self.scrape.queue_delay_s[i]
 
 
@@ -464,7 +462,7 @@ class SimCluster:
         done = env.event()
         self.pending[rid] = Pending(conv, turn, i, env.now, done, later, uncached)
         ereq = EngineRequest(rid, prompt, output, hashes)
-        work = self.coefficients.api_delay_s(self.api_delay_s[index][turn], prompt, False)
+        work = self.coefficients.api_work_s(self.api_delay_s[index][turn], prompt)
         if not self.api_shares_core:
             env.timeout(work).callbacks.append(lambda _ev: self._deliver(i, ereq))  # cheaper than a process
             return done
