@@ -209,11 +209,17 @@ def _sig(x: float, digits: int = 3) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def signed_percent(x: float) -> str:
+    """``x`` as a signed percentage to 0.1%; a zero is "+0.0%" whatever its floating-point
+    sign, so a provenance line does not flip between machines on the last bit of a fit."""
+    return f"{round(x * 100, 1) + 0.0:+.1f}%"
+
+
 def residual_line(r: dict) -> str:
     """One residual as a line of the provenance: what, where from, measured, predicted, error."""
     unit = "ms/token" if r["observation"].startswith("prefill_slope") else "ms"
     line = (f"{r['observation']} ({r['model']}, {r['source']}): measured {r['measured']:.4g} {unit}, "
-            f"predicted {r['predicted']:.4g} ({r['rel_error']:+.1%})")
+            f"predicted {r['predicted']:.4g} ({signed_percent(r['rel_error'])})")
     return line if r["used"] else f"{line}; left out: {r['why']}"
 
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvroute.costmodel import GBPS, TFLOP, StepTimeModel
-from kvroute.gpufit import fit_least_squares, step_model
+from kvroute.gpufit import fit_least_squares, signed_percent, step_model
 from kvroute.hardware import Hardware
 from kvroute.live.probe import ProbePlan, ProbeRequest
 
@@ -237,7 +237,7 @@ class ProbeFit:
 
     def residual_lines(self) -> list[str]:
         return [f"{o.label} ({o.samples} samples, MAD {o.spread_ms:.3g} ms): measured median {o.measured_ms:.4g} ms, "
-                f"predicted {p:.4g} ({p / o.measured_ms - 1:+.1%})" for o, p in zip(self.observations, self.predicted)]
+                f"predicted {p:.4g} ({signed_percent(p / o.measured_ms - 1)})" for o, p in zip(self.observations, self.predicted)]
 
     def rms_log_error(self) -> float:
         r = [math.log(p / o.measured_ms) for o, p in zip(self.observations, self.predicted)]

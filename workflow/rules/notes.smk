@@ -34,6 +34,7 @@ rule note:
         if [ -d paper/common ]; then cp -R paper/common "$build"/common; fi
         cd "$build"/{wildcards.note}
         export TEXINPUTS=".:$results/:$build/common/:$build/:" BIBINPUTS=".:$build/common/:$build/:" BSTINPUTS=".:$build/common/:$build/:"
+        export max_print_line=10000  # unwrapped log: latexmk misses "No file main.bbl." after a wrapped 79-character line
         if ! latexmk -pdf -interaction=nonstopmode -halt-on-error -file-line-error main.tex > "$root"/{log:q} 2>&1; then
             echo "latexmk failed; end of main.log:" >> "$root"/{log:q}
             tail -n 40 main.log >> "$root"/{log:q} 2>/dev/null || true

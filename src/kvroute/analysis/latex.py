@@ -51,6 +51,10 @@ def tex_env(paper_dir: Path, results_dir: Path, base: dict | None = None) -> dic
     common, results = (Path(paper_dir) / "common").resolve(), Path(results_dir).resolve()
     env["TEXINPUTS"] = f".:{results}:{common}:" + env.get("TEXINPUTS", "")
     env["BIBINPUTS"] = f".:{common}:" + env.get("BIBINPUTS", "")
+    # TeX wraps its log at 79 characters and latexmk joins a line of exactly that length
+    # with the next, so a "No file main.bbl." after one (a long results path) went unseen
+    # and bibtex never ran: an unwrapped log keeps latexmk's parse whatever the paths
+    env["max_print_line"] = "10000"
     return env
 
 
