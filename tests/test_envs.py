@@ -1,5 +1,6 @@
 """envs/engine-gpu.lock against envs/engine-gpu.yaml: resolved from the file as it is now, with
-its pins, again to the same pins by uv, and holding every library `kvroute measure` imports.
+its pins, again to the same pins and hashes by uv (held to the lock's pins: kvroute.envlock
+says why), and holding every library `kvroute measure` imports.
 
 The re-resolution asks the package index (metadata only, about 2 s here): unreachable, it
 fails under CI=true and skips elsewhere, naming what was missing.
@@ -94,7 +95,7 @@ def test_lock_pins_cuda_wheels_with_hashes():
 def test_lock_resolves_again_to_the_same_pins_and_hashes():
     text = _lock_text()
     try:
-        again = resolve(ENV, spec_of(text), _uv())
+        again = resolve(ENV, spec_of(text), _uv(), constraints=pins(text))
     except ResolveError as exc:
         if exc.unreachable:
             _unavailable(f"the package index is unreachable (uv: {str(exc).splitlines()[-1].strip()})")
@@ -102,6 +103,20 @@ def test_lock_resolves_again_to_the_same_pins_and_hashes():
     before, after = _hashed(text), _hashed(again)
     changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
     assert not changed, f"re-resolving envs/engine-gpu.yaml changes {changed[:10]}: {RELOCK}"
+
+
+def test_pins_that_no_longer_resolve_fail_the_check(tmp_path):
+    """What the constrained check catches: a pin the env file's requirements exclude."""
+    env = tmp_path / "env.yaml"
+    env.write_text("dependencies:\n  - pip:\n      - httpx==0.28.1\n")
+    try:
+        resolve(env, spec_of(_lock_text()), _uv(), constraints={"httpx": "0.27.0"})
+    except ResolveError as exc:
+        if exc.unreachable:
+            _unavailable(f"the package index is unreachable (uv: {str(exc).splitlines()[-1].strip()})")
+        assert "httpx" in str(exc)
+    else:
+        pytest.fail("httpx==0.28.1 resolved under the constraint httpx==0.27.0")
 
 
 def test_an_unreachable_index_is_told_apart_from_a_failed_resolution(tmp_path):

@@ -4,8 +4,13 @@ only the package index's metadata and downloads no wheel.
 
 The lock's header records what it was resolved from (the env file's sha256) and how (platform,
 Python, uv's version and an upload cut-off), so that it can be resolved again and compared
-(tests/test_envs.py): the cut-off, uv's ``--exclude-newer``, keeps releases published after the
-lock out of the second resolution, so the same env file resolves to the same pins.
+(tests/test_envs.py). The cut-off, uv's ``--exclude-newer``, keeps releases published after the
+lock out, but not releases an index mirror adds later with an earlier upload date (the CI run of
+5dc5f30 found httpx 0.29.0, uvicorn 0.55.0 and opencv 5.1 dated before a lock that had
+resolved to 0.28.1, 0.54.0 and 5.0). So the check resolves the env file again with the lock's
+own pins as constraints: it passes when the pins are still a resolution of the env file and
+every pinned file is on the index with the lock's hashes, and fails when the env file, a
+dependency's metadata or a file has changed.
 
     python -m kvroute.envlock envs/engine-gpu.yaml envs/engine-gpu.lock --uv .venv-uv/bin/uv
 """
@@ -95,8 +100,12 @@ def compile_args(spec: LockSpec, requirements: Path, index_url: str | None = Non
     return args + (["--index-url", index_url] if index_url else [])
 
 
-def resolve(env_file: Path, spec: LockSpec, uv: str, index_url: str | None = None, timeout_s: float = 300) -> str:
+def resolve(env_file: Path, spec: LockSpec, uv: str, index_url: str | None = None, timeout_s: float = 300,
+            constraints: dict[str, str] | None = None) -> str:
     """The env file's pip entries resolved by uv: the pinned, hashed requirements (no header).
+
+    ``constraints`` (``{name: version}``, a lock's :func:`pins`) holds the resolution to those
+    versions, as uv's ``--constraint``.
 
     Raises:
         ResolveError: uv failed; ``unreachable`` is true when the index did not answer.
@@ -104,8 +113,13 @@ def resolve(env_file: Path, spec: LockSpec, uv: str, index_url: str | None = Non
     with tempfile.TemporaryDirectory(prefix="kvroute-envlock-") as tmp:
         req = Path(tmp) / "requirements.in"
         req.write_text("\n".join(pip_requirements(env_file)) + "\n")
+        args = compile_args(spec, req, index_url)
+        if constraints:
+            cons = Path(tmp) / "constraints.txt"
+            cons.write_text("".join(f"{name}=={version}\n" for name, version in sorted(constraints.items())))
+            args += ["--constraint", str(cons)]
         try:
-            proc = subprocess.run([uv, *compile_args(spec, req, index_url)], capture_output=True, text=True,
+            proc = subprocess.run([uv, *args], capture_output=True, text=True,
                                   timeout=timeout_s, env=_uv_env())
         except subprocess.TimeoutExpired as exc:
             raise ResolveError(f"uv pip compile took over {timeout_s:g} s", unreachable=True) from exc
