@@ -56,8 +56,9 @@ def test_mooncake_speed_benchmark_runs_and_reports_every_policy():
 
 
 def test_calibration_repeat_compares_two_calibrations_against_their_errors(tmp_path):
-    """Two probe calibration files: a coefficient agrees when it moved by less than two
-    combined standard errors; the script exits 1 when more than one does not."""
+    """Two probe calibration files: a coefficient agrees when it moved by less than the
+    combined 95% interval (Student's t on Welch's degrees of freedom); the script exits 1
+    when more than one does not."""
     def write(path, fitted, measured):
         entry = {"provenance": {"fitted": {k: {"value": v, "se": s} for k, (v, s) in fitted.items()},
                                 "measured": {k: {"value": v, "se": s} for k, (v, s) in measured.items()}}}
@@ -70,8 +71,22 @@ def test_calibration_repeat_compares_two_calibrations_against_their_errors(tmp_p
     script = [sys.executable, str(ROOT / "benchmarks/calibration_repeat.py")]
     out = subprocess.run([*script, str(a), str(b)], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr  # one of three off: still "all but one"
-    assert "| step_overhead_ms | 4 (0.5) | 9 (0.5) | +5 | +7.07 | no |" in out.stdout
-    assert "2 of 3 coefficients agree" in out.stdout
+    assert "| step_overhead_ms | 4 (0.5) | 9 (0.5) | +5 | +7.07 | inf | 1.96 | no | no |" in out.stdout
+    assert "2 of 3 coefficients agree within their combined 95% intervals" in out.stdout
+    # with 3 degrees of freedom each (a jackknife over four processes) z = 2.4 is inside the
+    # 95% interval (t = 2.45 on Welch's 6) but outside two standard errors
+    d = write(tmp_path / "d.yaml", {"compute_efficiency": (1.0, 0.05), "step_overhead_ms": (4.0, 0.5)},
+              {"api_cost_ms": (4.4, 0.3)})
+    e = write(tmp_path / "e.yaml", {"compute_efficiency": (1.0, 0.05), "step_overhead_ms": (4.0 + 2.4 * 0.5 * 2 ** 0.5, 0.5)},
+              {"api_cost_ms": (4.4, 0.3)})
+    for path in (d, e):
+        data = __import__("yaml").safe_load(path.read_text())
+        data["cpu-provisional"]["provenance"]["fitted"]["step_overhead_ms"]["dof"] = 3
+        path.write_text(__import__("yaml").safe_dump(data))
+    out = subprocess.run([*script, str(d), str(e)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "| +2.40 | 6 | 2.45 | yes | no |" in out.stdout, out.stdout
+    assert "3 of 3 coefficients agree within their combined 95% intervals" in out.stdout
+    assert "2 of 3 within two combined standard errors" in out.stdout
     c = write(tmp_path / "c.yaml", {"compute_efficiency": (2.0, 0.05), "step_overhead_ms": (9.0, 0.5)},
               {"api_cost_ms": (4.5, 0.3)})
     assert subprocess.run([*script, str(a), str(c)], capture_output=True, timeout=60, cwd=ROOT).returncode == 1

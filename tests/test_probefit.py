@@ -182,6 +182,11 @@ def test_the_entry_is_a_coefficients_entry_that_says_what_it_read():
     prov = e["provenance"]
     assert prov["experiments_read"].startswith("none")
     assert set(prov["fitted"]) == set(FITTED) and all(v["se"] > 0 for v in prov["fitted"].values())
+    from scipy.stats import t
+    for k, v in (prov["fitted"] | prov["measured"]).items():  # a 95% interval on the error's own dof
+        assert v["dof"] >= 1 and v["ci95"] == pytest.approx(t.ppf(0.975, v["dof"]) * v["se"], rel=0.06), k
+    assert fit.dof["compute_efficiency"] in (len(fit.observations) - len(FITTED) - 1,
+                                             fit.probed["usable"]["jackknife_blocks"] - 1, HW.workers * PLAN.sessions - 1)
     assert len(prov["residuals"]) == len(fit.observations)
     table = observation_table(fit)
     assert set(table["level"]) == {"condition", "probe"}

@@ -234,6 +234,9 @@ class ProbeFit:
     rows: list[dict]
     measured: dict[str, dict[str, float]]
     probed: dict
+    #: degrees of freedom of each stated error (the source it came from): the 95% interval is
+    #: ``t(0.975, dof) * se`` (:func:`interval95`)
+    dof: dict[str, float] = field(default_factory=dict)
 
     def residual_lines(self) -> list[str]:
         return [f"{o.label} ({o.samples} samples, MAD {o.spread_ms:.3g} ms): measured median {o.measured_ms:.4g} ms, "
@@ -354,7 +357,8 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     jackknife over the engine processes (each worker in each session of
     :func:`~kvroute.live.probe.run_probe`), which carries what differs between processes
     (each one's own share of the machine), drawn afresh by every calibration. The last two say how far a second
-    calibration may land; all three are in the provenance.
+    calibration may land; all three are in the provenance. Each stated error keeps the degrees
+    of freedom of its source (``ProbeFit.dof``), so its 95% interval is Student's, not 2 se.
 
     Raises:
         ValueError: too few usable probes for a fit (named by phase).
@@ -377,8 +381,20 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     se_jack, _, jack = _jackknife_se(requests, timed, lambda r: (r.session, r.worker, r.rep), est, hw, min_groups=3)
     se_workers, workers, per_worker = _jackknife_se(requests, requests, lambda r: (r.session, r.worker), est, hw,
                                                     min_groups=2)
-    se = {k: max((v for v in (se_fit[k], se_jack[k], se_workers[k]) if math.isfinite(v)), default=math.nan)
-          for k in est}
+    # each error's degrees of freedom, for its 95% interval: the Jacobian's, conditions less
+    # parameters; a bootstrap's, samples less one; a jackknife's, groups less one (two engine
+    # processes per session over two sessions: 3, where a 2-se band covers only 86%)
+    n_api, n_busy = len(s.api), len(s.busy)
+    df_fit = {k: float(len(obs) - len(FITTED) - 1) for k in (*FITTED, ADMISSION)}
+    df_fit |= {"api_cost_ms": n_api - 1.0, "api_jitter_ms": n_api - 1.0, PER_TOKEN: len(s.api_by_tokens) - 2.0,
+               BUSY: n_busy - 1.0}
+    df_fit["api_overhead_ms"] = min(df_fit["api_cost_ms"], df_fit[ADMISSION])
+    sources = ((se_fit, df_fit), (se_jack, dict.fromkeys(est, len(jack) - 1.0)),
+               (se_workers, dict.fromkeys(est, len(per_worker) - 1.0)))
+    se, dof = {}, {}
+    for k in est:
+        finite = [(errs[k], dfs[k]) for errs, dfs in sources if math.isfinite(errs[k])]
+        se[k], dof[k] = max(finite, default=(math.nan, math.nan))
 
     budget = hw.engine.max_num_batched_tokens
     coef = {k: est[k] for k in FITTED}
@@ -397,13 +413,15 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
             idle = est["api_cost_ms"] + est[PER_TOKEN] * row["prompt_tokens"]
             row["predicted_ms"] = (est[BUSY] * (idle + est[ADMISSION]) - est[ADMISSION] + wait
                                    if row["kind"] == "api_busy" else idle)
-    measured = {k: {"value": est[k], "se": se[k], "se_fit": se_fit[k], "se_jackknife": se_jack[k],
+    measured = {k: {"value": est[k], "se": se[k], "dof": dof[k], "se_fit": se_fit[k], "se_jackknife": se_jack[k],
                     "se_processes": se_workers[k]}
                 for k in ("api_cost_ms", ADMISSION, "api_overhead_ms", "api_jitter_ms", PER_TOKEN, BUSY)}
-    measured["api_cost_mean_ms"] = {"value": float(api.mean()), "se": float(api.std(ddof=1) / math.sqrt(api.size))}
+    measured["api_cost_mean_ms"] = {"value": float(api.mean()), "se": float(api.std(ddof=1) / math.sqrt(api.size)),
+                                    "dof": api.size - 1.0}
     if s.per_token:
         pt = np.asarray(s.per_token)
-        measured["api_per_token_ms"] = {"value": float(np.median(pt)), "se": bootstrap_se(pt, np.median)}
+        measured["api_per_token_ms"] = {"value": float(np.median(pt)), "se": bootstrap_se(pt, np.median),
+                                        "dof": pt.size - 1.0}
     coefficients = coef | {k: est[k] for k in MEASURED}
     errors = {k: se[k] for k in (*FITTED, *MEASURED)}
     info = dict(probed or {})
@@ -427,11 +445,31 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     info["se_processes"] = {k: _sig(se_workers[k], 2) for k in FITTED}
     info["without_process"] = {f"session {s_} {w}": {k: _sig(v) for k, v in e.items()}
                            for (s_, w), e in zip(workers, per_worker)} if len(per_worker) == len(workers) else {}
-    return ProbeFit(hw.name, hw.coefficients_name, coefficients, errors, obs, predicted, s.rows, measured, info)
+    return ProbeFit(hw.name, hw.coefficients_name, coefficients, errors, obs, predicted, s.rows, measured, info,
+                    {k: dof[k] for k in (*FITTED, *MEASURED)})
+
+
+def interval95(se: float, dof: float) -> float:
+    """Half-width of the two-sided 95% interval of an estimate with standard error ``se`` on
+    ``dof`` degrees of freedom (Student's t; the normal 1.96 without a finite ``dof``)."""
+    from scipy.stats import norm, t
+
+    if not math.isfinite(se):
+        return math.nan
+    q = t.ppf(0.975, dof) if math.isfinite(dof) and dof >= 1 else norm.ppf(0.975)
+    return float(q * se)
 
 
 def _sig(x: float, digits: int = 3) -> float:
     return float(f"{x:.{digits}g}") if math.isfinite(x) else x
+
+
+def _stated(value: float, se: float, dof: float) -> dict[str, float]:
+    """A coefficient as the provenance states it: value, se, its dof and 95% half-width."""
+    out = {"value": _sig(value), "se": _sig(se, 2)}
+    if math.isfinite(dof):
+        out |= {"dof": int(dof), "ci95": _sig(interval95(se, dof), 2)}
+    return out
 
 
 def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) -> dict[str, dict]:
@@ -450,11 +488,13 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
                     f"max_num_seqs {e.max_num_seqs}, max_num_batched_tokens {e.max_num_batched_tokens}, "
                     f"dtype {e.dtype}; workers probed side by side"),
         "probed": fit.probed,
-        "fitted": {k: {"value": _sig(c[k]), "se": _sig(fit.errors[k], 2)} for k in FITTED},
-        "measured": {k: {"value": _sig(v["value"]), "se": _sig(v["se"], 2)} for k, v in fit.measured.items()},
+        "fitted": {k: _stated(c[k], fit.errors[k], fit.dof.get(k, math.nan)) for k in FITTED},
+        "measured": {k: _stated(v["value"], v["se"], v.get("dof", math.nan)) for k, v in fit.measured.items()},
         "uncertainty": ("se is the largest of the fit's own (Jacobian; bootstrap for the API cost), a "
                         "delete-one-block jackknife over (worker, repetition) blocks of probes and a "
-                        "leave-one-engine-process-out jackknife (a worker in one session: what differs between processes)"),
+                        "leave-one-engine-process-out jackknife (a worker in one session: what differs between processes); "
+                        "dof is that error's degrees of freedom (conditions less parameters, samples less one, groups "
+                        "less one) and ci95 the half-width of its 95% interval, t(0.975, dof) x se"),
         "notes": [
             "api_cost_ms is the median, api_jitter_ms the interquartile range, of (client TTFT - engine queue "
             "- engine prefill) over the minimal probes (bootstrap se); admission_ms is what a request's prefill "
