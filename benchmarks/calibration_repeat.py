@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from scipy.stats import norm, t
+
+from kvroute.probefit import interval95
 
 ROOT = Path(__file__).resolve().parents[1]
 Z = 2.0
@@ -59,7 +60,7 @@ def compare(a: Path, b: Path) -> list[dict]:
         se = math.hypot(sa, sb)
         z = (vb - va) / se if se > 0 else math.inf
         dof = welch_dof(sa, da, sb, db)
-        q = float(t.ppf(0.975, dof)) if math.isfinite(dof) else float(norm.ppf(0.975))
+        q = interval95(1.0, dof)  # t(0.975, dof): the half-width of a unit error's 95% interval
         rows.append({"coefficient": k, "a": va, "se_a": sa, "b": vb, "se_b": sb, "diff": vb - va, "se": se,
                      "z": z, "dof": dof, "q": q, "agree": abs(z) < q, "within_2se": abs(z) < Z})
     return rows

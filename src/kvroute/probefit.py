@@ -384,10 +384,9 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     # each error's degrees of freedom, for its 95% interval: the Jacobian's, conditions less
     # parameters; a bootstrap's, samples less one; a jackknife's, groups less one (two engine
     # processes per session over two sessions: 3, where a 2-se band covers only 86%)
-    n_api, n_busy = len(s.api), len(s.busy)
     df_fit = {k: float(len(obs) - len(FITTED) - 1) for k in (*FITTED, ADMISSION)}
-    df_fit |= {"api_cost_ms": n_api - 1.0, "api_jitter_ms": n_api - 1.0, PER_TOKEN: len(s.api_by_tokens) - 2.0,
-               BUSY: n_busy - 1.0}
+    df_fit |= {"api_cost_ms": len(s.api) - 1.0, "api_jitter_ms": len(s.api) - 1.0,
+               PER_TOKEN: len(s.api_by_tokens) - 2.0, BUSY: len(s.busy) - 1.0}
     df_fit["api_overhead_ms"] = min(df_fit["api_cost_ms"], df_fit[ADMISSION])
     sources = ((se_fit, df_fit), (se_jack, dict.fromkeys(est, len(jack) - 1.0)),
                (se_workers, dict.fromkeys(est, len(per_worker) - 1.0)))
