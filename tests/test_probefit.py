@@ -274,3 +274,22 @@ def test_sessions_are_kept_apart():
     assert fit.probed["usable"]["failed"] == 0
     assert len(fit.probed["without_process"]) == 2 * HW.workers
     assert fit.probed["usable"]["jackknife_blocks"] == 2 * HW.workers * PLAN.repetitions
+
+
+def test_the_reported_mean_api_cost_carries_the_spread_between_processes():
+    # worker w1's API server costs 5 ms more: the within-run error of the mean knows
+    # nothing of it, the leave-one-process-out jackknife does
+    reqs = synthetic_requests(seed=9)
+    base = fit_probes(reqs, HW).measured["api_cost_mean_ms"]
+    for r in reqs:
+        if r.worker == "w1" and r.phase == "api":
+            r.token_s = [t + 0.005 for t in r.token_s]
+    apart = fit_probes(reqs, HW).measured["api_cost_mean_ms"]
+    assert apart["value"] == pytest.approx(base["value"] + 2.5, abs=1e-6)
+    api = {w: [r.ttft_ms - 1e3 * r.engine["prefill_s"] for r in reqs if r.phase == "api" and r.worker == w]
+           for w in HW.worker_names}
+    pooled = sum(api.values(), [])
+    within = np.std(pooled, ddof=1) / math.sqrt(len(pooled))
+    # two processes: the jackknife's error is half the difference of their means, on 1 dof
+    assert apart["se"] == pytest.approx(abs(np.mean(api["w1"]) - np.mean(api["w0"])) / 2, rel=1e-9)
+    assert apart["se"] > 3 * within and apart["dof"] == 1.0

@@ -347,6 +347,26 @@ def _jackknife_se(requests: list, grouped: list, key, est: dict[str, float], hw,
     return out, groups, fits
 
 
+def _mean_with_errors(xs: np.ndarray, blocks: list[tuple[int, str, int]]) -> dict[str, float]:
+    """The mean of ``xs`` (one per probe of ``blocks``: (session, worker, repetition)) with the
+    largest of its within-run standard error, a delete-one-block jackknife and a
+    leave-one-process-out jackknife, as the fitted terms state theirs: the within-run
+    error alone says nothing of what a second calibration's fresh processes will give."""
+    def jackknife(labels: list) -> tuple[float, float]:
+        groups = sorted(set(labels))
+        if len(groups) < 2:
+            return math.nan, math.nan
+        lab = np.array([groups.index(g) for g in labels])
+        means = np.array([xs[lab != i].mean() for i in range(len(groups))])
+        n = len(groups)
+        return float(math.sqrt((n - 1) / n * np.sum((means - means.mean()) ** 2))), n - 1.0
+
+    sources = [(float(xs.std(ddof=1) / math.sqrt(xs.size)), xs.size - 1.0), jackknife(blocks),
+               jackknife([b[:2] for b in blocks])]
+    se, dof = max((s for s in sources if math.isfinite(s[0])), default=(math.nan, math.nan))
+    return {"value": float(xs.mean()), "se": se, "dof": dof}
+
+
 def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | None = None) -> ProbeFit:
     """Fit ``hw``'s family to probe ``requests`` (see the module docstring).
 
@@ -415,8 +435,8 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     measured = {k: {"value": est[k], "se": se[k], "dof": dof[k], "se_fit": se_fit[k], "se_jackknife": se_jack[k],
                     "se_processes": se_workers[k]}
                 for k in ("api_cost_ms", ADMISSION, "api_overhead_ms", "api_jitter_ms", PER_TOKEN, BUSY)}
-    measured["api_cost_mean_ms"] = {"value": float(api.mean()), "se": float(api.std(ddof=1) / math.sqrt(api.size)),
-                                    "dof": api.size - 1.0}
+    measured["api_cost_mean_ms"] = _mean_with_errors(api, [(r.session, r.worker, r.rep) for r in requests
+                                                          if r.phase == "api" and not r.error])
     if s.per_token:
         pt = np.asarray(s.per_token)
         measured["api_per_token_ms"] = {"value": float(np.median(pt)), "se": bootstrap_se(pt, np.median),
