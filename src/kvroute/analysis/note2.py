@@ -400,7 +400,8 @@ METRIC_LABELS = {
     "ttft_p90_ms_change": ("p90 TTFT, change", "%", 0),
 }
 #: the experiments' short names in the validation table
-EXPERIMENT_LABELS = {"note2-6turn": "6-turn", "note2-20turn": "20-turn", "note2-a100": "A100, 6-turn", "note2-cpu": "CPU"}
+EXPERIMENT_LABELS = {"note2-6turn": "6-turn", "note2-20turn": "20-turn", "note2-a100": "A100, 6-turn", "note2-cpu": "CPU",
+                     "explainer-two-replicas": "CPU, sticky test"}
 
 
 def in_points(metric: str) -> bool:
