@@ -401,7 +401,7 @@ METRIC_LABELS = {
 }
 #: the experiments' short names in the validation table
 EXPERIMENT_LABELS = {"note2-6turn": "6-turn", "note2-20turn": "20-turn", "note2-a100": "A100, 6-turn", "note2-cpu": "CPU",
-                     "explainer-two-replicas": "CPU, sticky test"}
+                     "explainer-two-replicas": "sticky"}
 
 
 def in_points(metric: str) -> bool:
