@@ -52,6 +52,7 @@ def test_measure_on_the_emulator_writes_labelled_records(tmp_path, exp_file):
     assert meta["cpu_affinity"] == {"mode": "none", "workers": {"w0": cpus, "w1": cpus}, "gateway_and_loadgen": cpus}
     assert set(meta["client_cpu_s"]) == {"round_robin round 0", "sticky round 0"}
     assert all(v > 0 for v in meta["client_cpu_s"].values())
+    assert meta["warmup"] == {}  # the emulator has no first-load cost to pay: no warm-up
 
 
 def test_measure_rejects_unknown_policy_before_starting_engines(tmp_path, exp_file):

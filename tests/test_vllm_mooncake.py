@@ -12,7 +12,8 @@ servers start, and
   kv_aware and with round_robin: every request a row, every row labelled with the
   scaling, and kv_aware, which keeps a session's history where it is cached, reads more
   cached tokens than round_robin, which sends about half of the sessions' later turns to
-  the other worker.
+  the other worker;
+* kvroute measure's warm-up leaves no cache behind it.
 
 About 2-4 minutes (start-up 50-140 s for the two servers on 2 cores, then about 20 s a policy).
 """
@@ -27,7 +28,7 @@ import pytest
 from kvroute.hardware import load_hardware
 from kvroute.live.engines import running_engines, served_model_name
 from kvroute.live.loadgen import records_for, replay
-from kvroute.live.measure import _measure_policy
+from kvroute.live.measure import WARMUP_POLICY, _measure_policy, warm_up
 from kvroute.workload import mooncake as mc
 
 import engine_env  # noqa: E402  (tests/engine_env.py)
@@ -84,3 +85,15 @@ def test_a_scaled_mooncake_window_through_the_gateway_kv_aware_beats_round_robin
         print(f"{spec}: {cached[spec]} of {sum(r['prompt_tokens'] for r in recs)} prompt tokens cached, "
               f"workers {sorted({r['worker'] for r in recs})}")
     assert cached["kv_aware"] > cached["round_robin"]
+
+
+def test_the_warm_up_is_unrecorded_and_leaves_every_cache_empty(engines):
+    """kvroute measure's warm-up (the first run's trace, round-robin over both workers)
+    empties the prefix caches after it: the same trace then hits as on fresh engines."""
+    engines.reset_prefix_cache()
+    warm = warm_up(engines, load_hardware("cpu"), explicit_trace(SHARING), seed=0, warmup_s=60)
+    assert warm["policy"] == WARMUP_POLICY and warm["requests"] == len(SHARING) and warm["errors"] == 0
+    assert 0 < warm["seconds"] < 60
+    model = served_model_name(load_hardware("cpu"))
+    rows = asyncio.run(replay(explicit_trace(SHARING), engines.urls[0], model=model, progress_every_s=None))
+    assert [r["cached_tokens"] for r in rows] == expected_cached(SHARING)  # without the reset: every prompt cached

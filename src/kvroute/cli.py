@@ -46,17 +46,21 @@ POINT_HELP = ("The experiment's operating point (`kvroute operating-point`'s fil
 @click.option("--kv-events", is_flag=True,
               help="Engines publish KV cache events (ZMQ) and the gateway routes from them: an exact view (records: view=exact).")
 @click.option("--load", type=float, help=LOAD_HELP.format(verb="Measure"))
+@click.option("--warmup-s", type=click.FloatRange(min=0),
+              help="Warm real engines up first for at most this long (the first run's trace, round-robin, unrecorded; "
+                   "default kvroute.live.measure.WARMUP_S); 0: not at all.")
 def measure(experiment: Path, hardware: str, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None,
             engine: str | None, redis_url: str | None, time_scale: float, max_requests: int | None, time_limit_s: float | None,
-            kv_events: bool, load: float | None) -> None:
+            kv_events: bool, load: float | None, warmup_s: float | None) -> None:
     """Measure EXPERIMENT on real engines behind the gateway: engines up, load, engines down."""
     from kvroute.live.engines import EngineError
-    from kvroute.live.measure import measure_experiment
+    from kvroute.live.measure import WARMUP_S, measure_experiment
 
     try:
         exp = load_experiment(experiment)
         summary = measure_experiment(exp, out, hardware, list(policies) or None, rounds, round_, engine, redis_url,
-                                     time_scale, max_requests, time_limit_s, kv_events, load)
+                                     time_scale, max_requests, time_limit_s, kv_events, load,
+                                     WARMUP_S if warmup_s is None else warmup_s)
     except (ExperimentError, EngineError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     cols = ["hardware", "policy", "round", *_load_cols(summary), "requests", "errors", "later_ttft_mean_ms", "hit_rate", "imbalance"]

@@ -5,7 +5,11 @@ For every run of an experiment on one hardware profile: start the profile's work
 policy reset every engine's prefix cache (no policy inherits another's cache), start a
 gateway routing with that policy, replay the round's trace through it with the load
 generator, and stop the gateway. Records carry ``source`` = ``live`` for real engines
-and ``emulated`` for the emulator; the gateway's prefix view is approximate (``view`` =
+and ``emulated`` for the emulator. Before the first run, real engines are warmed up
+(:func:`warm_up`: the first run's trace, round-robin over every worker, unrecorded, for at
+most ``WARMUP_S``), since the first load a fresh engine serves runs slower than any after
+it and would otherwise be charged to whichever policy is measured first. The gateway's
+prefix view is approximate (``view`` =
 ``approx``), or, with ``kv_events``, exact (``view`` = ``exact``): the engines publish
 their KV cache events and each gateway subscribes to them
 (:mod:`kvroute.live.kv_events`). The experiment's ``load_signal`` goes to every gateway
@@ -93,6 +97,27 @@ def _measure_peer(engines, hw, trace, spec: str, log_path: Path, **load_kwargs) 
     return result
 
 
+#: How long the warm-up may send (the first run's trace, cut there): enough for the first
+#: prefills of every chunk size, every batch size and the KV cache's memory to be touched.
+WARMUP_S = 15.0
+WARMUP_POLICY = "round_robin"  # reaches every worker
+
+
+def warm_up(engines, hw, trace, seed: int, warmup_s: float = WARMUP_S,
+            max_requests: int | None = None) -> dict[str, float]:
+    """Serve ``trace`` (at most ``warmup_s`` of it) through a round-robin gateway and keep
+    no record of it, then empty every prefix cache: what fresh engines run slowly the first
+    time (in note2-cpu's round 0 the first policy measured, round-robin, had a mean TTFT of
+    102 ms where its later rounds had 66-68) is paid here, by no policy. Returns what
+    load.json says of it."""
+    result = asyncio.run(_measure_policy(engines, hw, trace, WARMUP_POLICY, seed=seed, redis_url=None,
+                                         max_requests=max_requests, time_limit_s=warmup_s))
+    engines.reset_prefix_cache()
+    errors = sum(1 for r in result.rows if r.get("status", "ok") != "ok")
+    return {"policy": WARMUP_POLICY, "requests": float(len(result.rows)), "errors": float(errors),
+            "seconds": round(result.wall_s, 3), "limit_s": warmup_s}
+
+
 def _delay_kwargs(hw) -> dict:
     """The gateway's delay estimates from the profile's cost model (:meth:`DelayModel.from_hardware`)."""
     from dataclasses import asdict
@@ -137,6 +162,7 @@ def measure_experiment(
     time_limit_s: float | None = None,
     kv_events: bool = False,
     load: float | None = None,
+    warmup_s: float = WARMUP_S,
 ) -> pd.DataFrame:
     """Measure ``exp``'s policies (kvroute's, or production routers) on ``hardware``;
     write ``out``'s records, summary and load.json.
@@ -144,7 +170,8 @@ def measure_experiment(
     ``kv_events``: the engines publish KV cache events and kvroute's gateways route from
     them (an exact view; the production routers ignore them). ``load``: only that value
     of the experiment's load axis (default every value, each its own set of runs); the
-    records carry it (``load_param``, ``load``).
+    records carry it (``load_param``, ``load``). ``warmup_s``: how long real engines are
+    warmed up before the first run (:func:`warm_up`; 0: not at all).
 
     Raises:
         EngineError: an engine or a production router cannot be started or reached
@@ -152,13 +179,13 @@ def measure_experiment(
     """
     try:
         return _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale,
-                                   max_requests, time_limit_s, kv_events, load)
+                                   max_requests, time_limit_s, kv_events, load, warmup_s)
     except PeerError as exc:
         raise EngineError(str(exc)) from exc
 
 
 def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale, max_requests,
-                        time_limit_s, kv_events=False, load=None) -> pd.DataFrame:
+                        time_limit_s, kv_events=False, load=None, warmup_s=WARMUP_S) -> pd.DataFrame:
     hw = load_hardware(hardware)
     runs = exp.expand(policies, hardware, rounds, round_, measured=True, load=load)
     signal = exp.load_signal
@@ -183,6 +210,11 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
         affinity = {"mode": hw.engine.cpu_affinity if engines.kind == "vllm-cpu" else "none",
                     "workers": engines.cpu_affinity(), "gateway_and_loadgen": sorted(os.sched_getaffinity(0))}
         log.info("CPU affinity: %s", affinity)
+        warmup = {}
+        if runs and engines.kind != "emulator" and warmup_s > 0:  # the emulator has no first-load cost
+            log.info("warming up %s for at most %.0f s (unrecorded)", hardware, warmup_s)
+            warmup = warm_up(engines, hw, load_trace(exp, runs[0].round, runs[0].load), exp.seed, warmup_s,
+                             max_requests)
         for run in runs:
             trace = load_trace(exp, run.round, run.load)
             engines.reset_prefix_cache()
@@ -213,7 +245,7 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
     summary = write_results(records, out, workers=workers,
                             extra={"engine": engine or hw.engine.kind, "cross_check": checks, "per_worker": loads,
                                    "kv_events": kv_events, "cpu_affinity": affinity, "client_cpu_s": client_cpu,
-                                   "load_signal": signal.label})
+                                   "load_signal": signal.label, "warmup": warmup})
     return _imbalance_from_metrics(summary, records, loads, out)
 
 
