@@ -339,12 +339,15 @@ def _jackknife_se(requests: list, grouped: list, key, est: dict[str, float], hw,
             except ValueError:
                 continue
             fits.append(_estimate(rest, obs, hw)[0])
-    out = {}
-    for k in est:
-        vals = np.array([f[k] for f in fits])
-        n = vals.size
-        out[k] = float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2))) if n >= min_groups else math.nan
+    out = {k: _jackknife_spread([f[k] for f in fits]) if len(fits) >= min_groups else math.nan for k in est}
     return out, groups, fits
+
+
+def _jackknife_spread(leave_one_out: Sequence[float]) -> float:
+    """The jackknife standard error from an estimate's values with each group left out."""
+    vals = np.asarray(leave_one_out, dtype=float)
+    n = vals.size
+    return float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2)))
 
 
 def _mean_with_errors(xs: np.ndarray, blocks: list[tuple[int, str, int]]) -> dict[str, float]:
@@ -356,10 +359,8 @@ def _mean_with_errors(xs: np.ndarray, blocks: list[tuple[int, str, int]]) -> dic
         groups = sorted(set(labels))
         if len(groups) < 2:
             return math.nan, math.nan
-        lab = np.array([groups.index(g) for g in labels])
-        means = np.array([xs[lab != i].mean() for i in range(len(groups))])
-        n = len(groups)
-        return float(math.sqrt((n - 1) / n * np.sum((means - means.mean()) ** 2))), n - 1.0
+        means = [xs[np.array([label != g for label in labels])].mean() for g in groups]
+        return _jackknife_spread(means), len(groups) - 1.0
 
     sources = [(float(xs.std(ddof=1) / math.sqrt(xs.size)), xs.size - 1.0), jackknife(blocks),
                jackknife([b[:2] for b in blocks])]

@@ -113,7 +113,7 @@ def warm_up(engines, hw, trace, seed: int, warmup_s: float = WARMUP_S,
     result = asyncio.run(_measure_policy(engines, hw, trace, WARMUP_POLICY, seed=seed, redis_url=None,
                                          max_requests=max_requests, time_limit_s=warmup_s))
     engines.reset_prefix_cache()
-    errors = sum(1 for r in result.rows if r.get("status", "ok") != "ok")
+    errors = sum(1 for r in result.rows if r["status"] != "ok")
     return {"policy": WARMUP_POLICY, "requests": float(len(result.rows)), "errors": float(errors),
             "seconds": round(result.wall_s, 3), "limit_s": warmup_s}
 
