@@ -119,4 +119,11 @@ def test_profiles_are_checked_against_the_schema_naming_the_key(tmp_path):
         variant("gpu", "a6000x4", lambda raw: raw["engine"].update(cpu_affinity="per_worker"))
     with pytest.raises(ValueError, match=r"key workers: 0 is less than the minimum of 1"):
         variant("workers", "cpu", lambda raw: raw.update(workers=0))
-    variant("none", "cpu", lambda raw: raw["engine"].update(cpu_affinity="none"))  # the other valid value
+    # the client is pinned to a worker's core, so it needs per_worker and a worker that exists
+    assert load_hardware("cpu").engine.client_worker == 1 and load_hardware("a6000x4").engine.client_worker is None
+    with pytest.raises(ValueError, match=r"key engine.client_worker: pins the client .* needs engine.cpu_affinity"):
+        variant("client-unpinned", "cpu", lambda raw: raw["engine"].update(cpu_affinity="none"))
+    with pytest.raises(ValueError, match=r"key engine.client_worker: 2 names no worker \(workers: 2\)"):
+        variant("client-range", "cpu", lambda raw: raw["engine"].update(client_worker=2))
+    variant("none", "cpu", lambda raw: (raw["engine"].update(cpu_affinity="none"),  # the other valid value
+                                        raw["engine"].pop("client_worker")))

@@ -22,6 +22,7 @@ from kvroute.live.engines import (
     hf_snapshot,
     parse_cpu_list,
     pinned_command,
+    pinned_process,
     plan_workers,
     resolve_model_dir,
     running_engines,
@@ -281,3 +282,42 @@ def test_a_deep_run_folder_gets_a_short_tmpdir_removed_at_stop(tmp_path):
         with Engines([spec], deep, health_timeout_s=10):
             pass
     assert not short.exists()
+
+
+def _thread_cpus() -> dict[int, set[int]]:
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                out[int(task.name)] = parse_cpu_list(line.split(":", 1)[1])
+    return out
+
+
+def test_pinned_process_confines_every_thread_and_gives_each_its_own_back():
+    """The client's pin (kvroute measure, the probe): every thread of this process, one that
+    was running before and one started inside, on the chosen CPU; afterwards each as before,
+    and one started inside as this thread was."""
+    import threading
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("this process may use one CPU only: pinning to it changes nothing a test could see")
+    cpu = max(os.sched_getaffinity(0))
+    stop = threading.Event()
+    old = threading.Thread(target=stop.wait, daemon=True)
+    old.start()
+    before = _thread_cpus()
+    try:
+        with pinned_process([cpu]) as cpus:
+            assert cpus == [cpu]
+            new = threading.Thread(target=stop.wait, daemon=True)
+            new.start()
+            inside = _thread_cpus()
+            assert {old.native_id, new.native_id, threading.get_native_id()} <= set(inside)
+            assert all(v == {cpu} for v in inside.values()), inside
+        after = _thread_cpus()
+        assert {t: after[t] for t in before if t in after} == before
+        assert after[new.native_id] == before[threading.get_native_id()]
+    finally:
+        stop.set()
+    with pinned_process([]) as cpus:  # nothing to pin to: nothing changes
+        assert cpus == [] and _thread_cpus()[threading.get_native_id()] == before[threading.get_native_id()]

@@ -49,7 +49,8 @@ def test_measure_on_the_emulator_writes_labelled_records(tmp_path, exp_file):
     # how the workers shared the machine: emulators are not pinned, whatever the profile says
     meta = json.loads((out / "load.json").read_text())
     cpus = sorted(os.sched_getaffinity(0))
-    assert meta["cpu_affinity"] == {"mode": "none", "workers": {"w0": cpus, "w1": cpus}, "gateway_and_loadgen": cpus}
+    assert meta["cpu_affinity"] == {"mode": "none", "workers": {"w0": cpus, "w1": cpus}, "gateway_and_loadgen": cpus,
+                                    "client_worker": None}
     assert set(meta["client_cpu_s"]) == {"round_robin round 0", "sticky round 0"}
     assert all(v > 0 for v in meta["client_cpu_s"].values())
     assert meta["warmup"] == {}  # the emulator has no first-load cost to pay: no warm-up

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 from kvroute.cli import main
 from kvroute.hardware import load_hardware
 from kvroute.live.probe import ProbePlan, ProbeRequest
-from kvroute.probefit import (FITTED, Observation, coefficient_entry, collect, fit_probes, model_at,
-                              observation_table, predict)
+from kvroute.probefit import (CLIENT, FITTED, Observation, client_costs, coefficient_entry, collect, fit_probes,
+                              model_at, observation_table, predict)
 
 TRUTH = {"compute_efficiency": 1.3, "mem_efficiency": 0.8, "step_overhead_ms": 3.0, "per_seq_overhead_ms": 0.25}
 API_MS, JITTER_MS, ADMISSION_MS = 12.0, 4.0, 3.5
@@ -293,3 +293,52 @@ def test_the_reported_mean_api_cost_carries_the_spread_between_processes():
     # two processes: the jackknife's error is half the difference of their means, on 1 dof
     assert apart["se"] == pytest.approx(abs(np.mean(api["w1"]) - np.mean(api["w0"])) / 2, rel=1e-9)
     assert apart["se"] > 3 * within and apart["dof"] == 1.0
+
+
+#: the client's CPU per request, per prompt token and per streamed token (ms), as client_costs names them
+CLIENT_TRUTH = dict(zip(CLIENT, (0.8, 0.0008, 0.085)))
+
+
+def client_batches(noise_ms: float = 0.0, seed: int = 0, reps: int = 3) -> list[dict]:
+    """Client batches as kvroute.live.probe.client_probe writes them, timed by CLIENT_TRUTH."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for rep in range(reps):
+        for words, tokens in ProbePlan().client_kinds:
+            n = 16
+            prompt, out = n * (words + 12), n * tokens
+            cpu = np.dot(list(CLIENT_TRUTH.values()), [n, prompt, out]) + rng.normal(0, noise_ms)
+            rows.append({"rep": rep, "words": words, "max_tokens": tokens, "requests": n, "prompt_tokens": prompt,
+                         "output_tokens": out, "errors": 0, "wall_s": 1.0, "cpu_ms": float(cpu)})
+    return rows
+
+
+def test_the_clients_costs_are_recovered_within_their_errors():
+    exact = client_costs(client_batches())
+    assert set(exact) == set(CLIENT)
+    for k, truth in CLIENT_TRUTH.items():
+        assert exact[k]["value"] == pytest.approx(truth, rel=1e-6), k
+    noisy = client_costs(client_batches(noise_ms=2.0, seed=3))
+    for k, truth in CLIENT_TRUTH.items():
+        v = noisy[k]
+        assert v["se"] > 0 and v["dof"] >= 2 and abs(v["value"] - truth) < 4 * v["se"], (k, v)
+    # a batch with errors is not fitted; too few batches, or one kind only, fit nothing
+    bad = client_batches() + [dict(client_batches()[0], errors=3, cpu_ms=1e6)]
+    assert client_costs(bad)["client_cpu_per_request_ms"]["value"] == pytest.approx(0.8, rel=1e-6)
+    assert client_costs(client_batches()[:3]) == {}
+    assert client_costs([b for b in client_batches(reps=5) if b["words"] == 4 and b["max_tokens"] == 2]) == {}
+    # a cost the batches cannot tell from zero stays at zero, never negative
+    free = [dict(b, cpu_ms=b["cpu_ms"] - b["prompt_tokens"] * 0.01) for b in client_batches()]
+    assert client_costs(free)["client_cpu_per_prompt_token_ms"]["value"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_clients_costs_reach_the_coefficients_entry():
+    fit = fit_probes(synthetic_requests(), HW, {"workers": 2, "client": client_batches(noise_ms=1.0)})
+    entry = coefficient_entry(fit, HW)[HW.coefficients_name]
+    for k, truth in CLIENT_TRUTH.items():
+        assert entry[k] == pytest.approx(truth, rel=0.2), k
+        assert entry["provenance"]["measured"][k]["se"] > 0
+    assert entry["provenance"]["probed"]["client"]  # the batches themselves, for a reader to refit
+    # without a client phase the entry has no client terms: the simulator charges nothing
+    bare = coefficient_entry(fit_probes(synthetic_requests(), HW, {"workers": 2}), HW)[HW.coefficients_name]
+    assert not set(CLIENT) & set(bare)

@@ -146,3 +146,55 @@ def test_an_api_server_beside_the_engine_slows_the_engine():
     assert not plain.shares and not any(plain.api_jobs), "f = 1: no API job beside the engine, no share"
     assert max(r["finish_s"] for r in rows_shared) > max(r["finish_s"] for r in rows)
     assert sum(e.busy_s for e in shared.engines) > sum(e.busy_s for e in plain.engines)
+
+
+class _ByChat:
+    """Routes chat i to worker i % 2, whatever the load: two runs route alike."""
+
+    name = "by_chat"
+    index_on_finish = False
+
+    def __init__(self, trace):
+        self.worker = {c.id: f"w{i % 2}" for i, c in enumerate(trace.conversations)}
+
+    def choose(self, req, view):
+        return self.worker[req.session_id]
+
+
+CLIENT = {"client_cpu_per_request_ms": 1.0, "client_cpu_per_prompt_token_ms": 0.001, "client_cpu_per_token_ms": 0.2}
+
+
+def _client_run(hw, seed=4):
+    trace = generate("note2", seed, chats=8, turns=4, system_words=300, user_words=60, reply_tokens=32, ramp_s=1.0)
+    cluster = SimCluster(trace, hw, _ByChat(trace), common_rng(seed, 0), True)
+    rows = pd.DataFrame(cluster.run()).set_index(["conversation", "turn"]).sort_index()
+    return trace, cluster, rows
+
+
+def test_the_clients_cpu_slows_only_the_engine_on_its_core():
+    """The cpu profile pins the gateway and load generator to w1's core (engine.client_worker):
+    the probe-measured client CPU delays w1's engine and nothing else. Chats stay on their
+    worker, so w0's requests are timed exactly as without a client; w1's finish later, by
+    no more than all the client's work; a profile without a client worker ignores the costs."""
+    hw = _cpu()
+    assert hw.engine.client_worker == 1
+    _, plain, base = _client_run(hw)
+    trace, charged, rows = _client_run(_cpu(**CLIENT))
+    assert charged.client_core == 1 and plain.client_core is None
+    assert (rows.worker == base.worker).all() and set(rows.worker) == {"w0", "w1"}
+    w0, w1 = rows.worker == "w0", rows.worker == "w1"
+    for col in ("ttft_ms", "e2e_ms", "finish_s"):
+        assert rows.loc[w0, col].tolist() == pytest.approx(base.loc[w0, col].tolist(), abs=1e-9), col
+    # later on the whole (one request may gain: a delayed run can batch a newcomer sooner)
+    late = rows.loc[w1, "finish_s"] - base.loc[w1, "finish_s"]
+    assert late.mean() > 0 and (late > 0).mean() > 0.5
+    assert rows.loc[w1, "e2e_ms"].mean() > base.loc[w1, "e2e_ms"].mean()
+    work = sum(CLIENT["client_cpu_per_request_ms"] + CLIENT["client_cpu_per_prompt_token_ms"] * p
+               for p in rows.prompt_tokens) + CLIENT["client_cpu_per_token_ms"] * rows.output_tokens.sum()
+    assert rows.loc[w1, "finish_s"].max() - base.loc[w1, "finish_s"].max() <= work * 1e-3
+    assert charged.engines[0].busy_s == pytest.approx(plain.engines[0].busy_s)
+    # no client worker: the same costs charge nobody
+    unpinned = dataclasses.replace(hw, engine=dataclasses.replace(hw.engine, client_worker=None))
+    unpinned = dataclasses.replace(unpinned, coefficients=_cpu(**CLIENT).coefficients)
+    _, free, same = _client_run(unpinned)
+    assert free.client_core is None and same.equals(base)

@@ -25,7 +25,7 @@ import pytest
 
 from kvroute.hardware import load_hardware
 from kvroute.live import text
-from kvroute.live.engines import running_engines, served_model_name
+from kvroute.live.engines import pinned_process, running_engines, served_model_name
 from kvroute.live.metrics import parse_load, parse_metrics
 
 import engine_env  # noqa: E402  (tests/engine_env.py)
@@ -234,4 +234,19 @@ def test_each_workers_whole_process_tree_runs_on_its_own_core(engines):
         cores.append(spec.device)
     assert len(set(cores)) == len(cores) == 2
     assert engines.cpu_affinity() == {s.name: [s.device] for s in engines.specs}
-    assert os.sched_getaffinity(0) >= set(cores)  # the caller (gateway, load generator) is not pinned
+    assert os.sched_getaffinity(0) >= set(cores)  # the caller (gateway, load generator) is not pinned yet
+
+
+def test_the_client_is_pinned_to_the_client_workers_core_and_let_go(engines):
+    """engine.client_worker 1: once the engines run, kvroute measure and the probe pin every
+    thread of their own process (gateway, load generator) to w1's core, and give it back."""
+    hw = load_hardware("cpu")
+    before = {t.name: allowed_cpus(t / "status") for t in Path("/proc/self/task").iterdir()}
+    w1 = engines.specs[hw.engine.client_worker]
+    assert w1.name == "w1" and engines.client_cpus(hw) == [w1.device]
+    with pinned_process(engines.client_cpus(hw)) as cpus:
+        assert cpus == [w1.device]
+        inside = {t.name: allowed_cpus(t / "status") for t in Path("/proc/self/task").iterdir()}
+        assert len(inside) >= 1 and all(v == {w1.device} for v in inside.values()), inside
+    after = {t.name: allowed_cpus(t / "status") for t in Path("/proc/self/task").iterdir() if t.name in before}
+    assert after == before

@@ -28,7 +28,7 @@ import pytest
 from kvroute.hardware import load_hardware
 from kvroute.live.engines import running_engines, served_model_name
 from kvroute.live.loadgen import records_for, replay
-from kvroute.live.measure import WARMUP_POLICY, _measure_policy, warm_up
+from kvroute.live.measure import WARMUP_POLICY, gateway_load, warm_up
 from kvroute.workload import mooncake as mc
 
 import engine_env  # noqa: E402  (tests/engine_env.py)
@@ -72,7 +72,7 @@ def test_a_scaled_mooncake_window_through_the_gateway_kv_aware_beats_round_robin
     cached = {}
     for spec in ("kv_aware", "round_robin"):
         engines.reset_prefix_cache()
-        result = asyncio.run(_measure_policy(engines, hw, trace, spec, seed=0, redis_url=None, progress_every_s=None))
+        result = asyncio.run(gateway_load(engines, hw, trace, spec, seed=0, redis_url=None, progress_every_s=None))
         recs = records_for(result.rows, source="live", experiment="mooncake-test", hardware="cpu", policy=spec,
                            round=0, view="approx", scaling=label)
         assert len(recs) == trace.num_requests

@@ -139,6 +139,16 @@ class Coefficients:
     #: how much longer the API server takes while its engine runs (the CPU build: one core for
     #: both); measured by the CPU probes, 1 where unmeasured
     api_busy_factor: float = 1.0
+    #: the client process's CPU (gateway and load generator, one process) per request routed and
+    #: per token streamed through it, on the core of ``engine.client_worker``; measured by the
+    #: CPU probes through a gateway of their own, 0 where unmeasured (kvroute.sim.cluster)
+    client_cpu_per_request_ms: float = 0.0
+    client_cpu_per_prompt_token_ms: float = 0.0
+    client_cpu_per_token_ms: float = 0.0
+
+    def client_request_s(self, prompt_tokens: int) -> float:
+        """The client's CPU seconds for routing and sending one request of ``prompt_tokens``."""
+        return (self.client_cpu_per_request_ms + self.client_cpu_per_prompt_token_ms * prompt_tokens) * 1e-3
 
     def api_work_s(self, drawn_s: float, prompt_tokens: int) -> float:
         """One request's API-server delay in seconds beside an idle engine: its draw in
@@ -160,6 +170,9 @@ class Engine:
     #: independent as GPUs are (an idle worker's core is not lent to a busy one); ``none``: only
     #: vLLM's OpenMP threads are bound
     cpu_affinity: str = "none"
+    #: with ``per_worker``: the worker whose core the client process (gateway and load generator)
+    #: is pinned to, and the simulator charges its CPU work to; None: unpinned, not modelled
+    client_worker: int | None = None
 
 
 @dataclass(frozen=True)
@@ -241,6 +254,7 @@ class Hardware:
             "model": self.model.name,
             "engine": f"{self.engine.kind} {self.engine.version}",
             "cpu_affinity": self.engine.cpu_affinity,
+            "client_worker": self.engine.client_worker,
             "block_size": self.engine.block_size,
             "num_blocks": self.num_blocks,
             "coefficients": self.coefficients_name,
@@ -293,6 +307,14 @@ def validate_profile(name: str, raw: object) -> None:
     if engine.get("cpu_affinity", "none") != "none" and engine["kind"] != "vllm-cpu":
         raise ValueError(f"hardware profile {name!r}: key engine.cpu_affinity: {engine['cpu_affinity']!r} "
                          f"places vllm-cpu workers on cores; this profile's engine is {engine['kind']!r}")
+    client = engine.get("client_worker")
+    if client is not None:
+        if engine.get("cpu_affinity", "none") != "per_worker":
+            raise ValueError(f"hardware profile {name!r}: key engine.client_worker: pins the client to a worker's "
+                             f"core, which needs engine.cpu_affinity per_worker")
+        if client >= raw["workers"]:  # type: ignore[index]
+            raise ValueError(f"hardware profile {name!r}: key engine.client_worker: {client} names no worker "
+                             f"(workers: {raw['workers']})")  # type: ignore[index]
     _check_devices(name, raw)  # type: ignore[arg-type]
 
 

@@ -41,6 +41,11 @@ takes the request, between steps, and the simulator's engine charges that wait i
 simulator stretches the API work by it while the engine runs and, the two processes sharing
 the core fairly, slows the engine for as long (kvroute.sim.cluster). The cost per
 streamed token (client gap less the engine's) is reported; the simulator has no such term.
+
+The client (the gateway and the load generator, one process) costs CPU too, per request
+routed, per prompt token and per streamed token, and on the CPU build it runs on a worker's
+core (``engine.client_worker``). The probe's client batches (:func:`client_costs`) measure it
+through a gateway of the probe's own; the simulator charges it to that worker's engine.
 """
 
 from __future__ import annotations
@@ -368,6 +373,53 @@ def _mean_with_errors(xs: np.ndarray, blocks: list[tuple[int, str, int]]) -> dic
     return {"value": float(xs.mean()), "se": se, "dof": dof}
 
 
+#: the client's CPU costs (:func:`client_costs`), in the order of their columns
+CLIENT = ("client_cpu_per_request_ms", "client_cpu_per_prompt_token_ms", "client_cpu_per_token_ms")
+
+
+def client_costs(batches: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """The client's CPU per request, per prompt token and per streamed token, from the
+    probe's client batches (:func:`kvroute.live.probe.client_probe`): least squares of each
+    error-free batch's ``cpu_ms`` on its requests, prompt tokens and output tokens, no
+    intercept, each cost at least 0. Standard error: the larger of the fit's own (residual
+    variance over the design) and a leave-one-repetition-out jackknife (what changes between
+    stretches of time), with that error's degrees of freedom. Empty without enough batches
+    of at least three kinds."""
+    from scipy.optimize import lsq_linear
+
+    ok = [b for b in batches if not b.get("errors") and b.get("requests")]
+    if len(ok) <= len(CLIENT):
+        return {}
+    X = np.array([[b["requests"], b["prompt_tokens"], b["output_tokens"]] for b in ok], float)
+    y = np.array([b["cpu_ms"] for b in ok], float)
+    if np.linalg.matrix_rank(X) < len(CLIENT):
+        return {}
+
+    def solve(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return lsq_linear(X, y, bounds=(0.0, np.inf)).x
+
+    beta = solve(X, y)
+    dof = float(len(y) - len(CLIENT))
+    resid = y - X @ beta
+    cov = (resid @ resid / dof) * np.linalg.inv(X.T @ X)
+    se_fit = np.sqrt(np.clip(np.diag(cov), 0.0, None))
+    reps = sorted({b["rep"] for b in ok})
+    loo = []
+    for rep in reps if len(reps) >= 3 else ():
+        keep = np.array([b["rep"] != rep for b in ok])
+        if np.linalg.matrix_rank(X[keep]) == len(CLIENT):
+            loo.append(solve(X[keep], y[keep]))
+    out = {}
+    for j, k in enumerate(CLIENT):
+        se, df = float(se_fit[j]), dof
+        if len(loo) >= 3:
+            jack = _jackknife_spread([b[j] for b in loo])
+            if jack > se:
+                se, df = jack, len(loo) - 1.0
+        out[k] = {"value": float(beta[j]), "se": se, "dof": df, "se_fit": float(se_fit[j])}
+    return out
+
+
 def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | None = None) -> ProbeFit:
     """Fit ``hw``'s family to probe ``requests`` (see the module docstring).
 
@@ -442,8 +494,11 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
         pt = np.asarray(s.per_token)
         measured["api_per_token_ms"] = {"value": float(np.median(pt)), "se": bootstrap_se(pt, np.median),
                                         "dof": pt.size - 1.0}
-    coefficients = coef | {k: est[k] for k in MEASURED}
-    errors = {k: se[k] for k in (*FITTED, *MEASURED)}
+    client = client_costs((probed or {}).get("client") or [])
+    measured |= client
+    coefficients = coef | {k: est[k] for k in MEASURED} | {k: v["value"] for k, v in client.items()}
+    errors = {k: se[k] for k in (*FITTED, *MEASURED)} | {k: v["se"] for k, v in client.items()}
+    dof |= {k: v["dof"] for k, v in client.items()}
     info = dict(probed or {})
     info["usable"] = {"api": len(s.api), "api_busy": len(s.busy), "prefill": sum(len(v) for v in s.prefill.values()),
                       "decode_batches": sum(len(v) for v in s.decode.values()),
@@ -466,7 +521,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     info["without_process"] = {f"session {s_} {w}": {k: _sig(v) for k, v in e.items()}
                            for (s_, w), e in zip(workers, per_worker)} if len(per_worker) == len(workers) else {}
     return ProbeFit(hw.name, hw.coefficients_name, coefficients, errors, obs, predicted, s.rows, measured, info,
-                    {k: dof[k] for k in (*FITTED, *MEASURED)})
+                    {k: dof[k] for k in (*FITTED, *MEASURED, *client)})
 
 
 def interval95(se: float, dof: float) -> float:
@@ -495,7 +550,7 @@ def _stated(value: float, se: float, dof: float) -> dict[str, float]:
 def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) -> dict[str, dict]:
     """The fit as a ``hardware/coefficients.yaml`` entry of ``hw``'s family, with its provenance."""
     c = fit.coefficients
-    entry: dict = {k: _sig(c[k]) for k in (*FITTED, *MEASURED)}
+    entry: dict = {k: _sig(c[k]) for k in (*FITTED, *MEASURED, *CLIENT) if k in c}
     entry["activation_reserve_gb"] = float(hw.coefficients.activation_reserve_gb)
     e = hw.engine
     entry["provenance"] = {
@@ -534,6 +589,12 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "that is work on that core when the two share it fairly",
             "api_per_token_ms (client gap - engine gap per streamed token) is reported only: the simulator "
             "has no per-token API cost",
+            "client_cpu_per_request_ms, client_cpu_per_prompt_token_ms and client_cpu_per_token_ms are the CPU "
+            "time of this process (a kvroute gateway and the load generator, as kvroute measure runs them) per "
+            "request, prompt token and streamed token: least squares over the client batches (probed.client), "
+            "no intercept, at least 0 (se: the larger of the fit's and a leave-one-repetition-out jackknife); "
+            "the simulator charges that work to the core of engine.client_worker, where kvroute measure pins "
+            "the process",
             "activation_reserve_gb is kept from the profile's entry: the cpu profile gives its KV budget directly",
         ],
         "rms_log_error": _sig(fit.rms_log_error()),

@@ -254,6 +254,37 @@ def pinned_command(cmd: Sequence[str], cpus: Sequence[int]) -> list[str]:
     return [sys.executable, "-c", PIN_EXEC, ",".join(map(str, cpus)), *cmd]
 
 
+@contextmanager
+def pinned_process(cpus: Sequence[int]) -> Iterator[list[int]]:
+    """Confine every thread of this process to ``cpus`` for the block, then give each back
+    its own affinity: ``kvroute measure``'s gateway and load generator (and the threads
+    and processes they start meanwhile, which inherit it) on ``engine.client_worker``'s
+    core. Pin only once the workers run: :func:`plan_workers` places worker i on the i-th
+    CPU this process may use. Yields the CPUs, sorted; ``()`` changes nothing."""
+    cpus = sorted(set(cpus))
+    if not cpus:
+        yield []
+        return
+    before: dict[int, set[int]] = {}
+    for task in Path("/proc/self/task").iterdir():
+        tid = int(task.name)
+        try:
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    try:
+        yield cpus
+    finally:
+        this = before.get(os.getpid(), os.sched_getaffinity(0))
+        for task in Path("/proc/self/task").iterdir():  # threads started meanwhile: as this one was
+            tid = int(task.name)
+            try:
+                os.sched_setaffinity(tid, before.get(tid, this))
+            except ProcessLookupError:
+                continue
+
+
 def group_affinity(pgid: int) -> dict[int, set[int]]:
     """The allowed CPUs (``/proc/TID/status`` Cpus_allowed_list) of every thread of every
     process in process group ``pgid``, by thread id; a task that ends meanwhile is left out."""
@@ -554,6 +585,14 @@ class Engines:
 
     def log_path(self, i: int) -> Path:
         return self.run_dir / f"{self.specs[i].name}.log"
+
+    def client_cpus(self, hw: Hardware) -> list[int]:
+        """The CPUs of ``hw.engine.client_worker``'s worker, where the client is pinned
+        (:func:`pinned_process`); [] when the profile names none or its workers are not pinned."""
+        k = hw.engine.client_worker
+        if k is None or k >= len(self.specs):
+            return []
+        return list(self.specs[k].cpus)
 
     def cpu_affinity(self) -> dict[str, list[int]]:
         """Worker -> the CPUs any thread of its process tree may run on now, read from /proc

@@ -553,6 +553,9 @@ class LoadResult:
     metrics_before: dict[str, dict | None]
     metrics_after: dict[str, dict | None]
     wall_s: float
+    #: this process's CPU seconds over the replay alone (load generator, and a gateway run in
+    #: this process), not the scrapes around it: what the probe's client phase measures
+    cpu_s: float = float("nan")
 
     @property
     def deltas(self) -> dict[str, dict[str, float]]:
@@ -595,11 +598,11 @@ async def run_load(
     murls = [u.rstrip("/") for u in (metrics_urls if metrics_urls is not None else endpoints)]
     async with make_session(limit, limit_per_host) as sess:
         before = await engine_metrics.scrape_all(sess, murls)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         rows = await replay(trace, endpoints, session=sess, **replay_kwargs)
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
         after = await engine_metrics.scrape_all(sess, murls)
-    return LoadResult(rows, before, after, wall)
+    return LoadResult(rows, before, after, wall, cpu)
 
 
 # -- records ----------------------------------------------------------------------------------------

@@ -25,10 +25,18 @@ emulator's ``kvroute_worker`` body field, else is ``unknown``; load.json then ha
 engine's request and prompt-token counts from its /metrics (``per_worker``), for every
 policy, so per-worker load can be read beside the hit rate either way.
 
+With the profile's ``engine.client_worker``, this process (the gateway and the load
+generator) is pinned to that worker's core once the engines are healthy
+(:func:`~kvroute.live.engines.pinned_process`, every thread; a production router started
+meanwhile inherits it), so the client's CPU work lands on one known core, where the
+simulator charges it; the engines are started first because their wrapper places worker i
+on the i-th CPU this process may use.
+
 load.json also says how the workers shared the machine (``cpu_affinity``): the
 profile's ``engine.cpu_affinity``, the CPUs each worker's process tree was allowed as
-read from /proc once they were healthy, and those of this process, which runs the
-gateway and the load generator; ``client_cpu_s`` per policy and round is this process's
+read from /proc once they were healthy, those of this process, which runs the
+gateway and the load generator, and ``client_worker`` (the worker whose core it was pinned
+to, or null); ``client_cpu_s`` per policy and round is this process's
 CPU time (gateway and load generator; a production router's own process is not in it).
 """
 
@@ -39,6 +47,7 @@ import logging
 import math
 import os
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +55,7 @@ import pandas as pd
 
 from kvroute.experiment import Experiment
 from kvroute.hardware import load_hardware
-from kvroute.live.engines import EngineError, running_engines, served_model_name
+from kvroute.live.engines import EngineError, pinned_process, running_engines, served_model_name
 from kvroute.live.gateway import Gateway
 from kvroute.live.loadgen import WORKER_FIELD, LoadResult, records_for, run_load, write_results
 from kvroute.live.peers import PeerError, is_peer_spec, parse_peer_spec, routers_venv, running_peer
@@ -63,8 +72,10 @@ UNKNOWN_WORKER = "unknown"
 PEER_VIEW = "peer"
 
 
-async def _measure_policy(engines, hw, trace, spec: str, seed: int, redis_url: str | None,
-                          load_signal: LoadSignal = ROUTER, **load_kwargs):
+async def gateway_load(engines, hw, trace, spec: str, seed: int, redis_url: str | None,
+                          load_signal: LoadSignal = ROUTER, **load_kwargs) -> LoadResult:
+    """Replay ``trace`` through a kvroute gateway routing with ``spec`` in front of
+    ``engines`` (:func:`~kvroute.live.loadgen.run_load`'s keywords pass through)."""
     kv = {}
     if engines.kv_events:
         kv = {"kv_events": engines.kv_events, "kv_topic": engines.kv_topics, "tokenizer": engines.tokenizer}
@@ -110,7 +121,7 @@ def warm_up(engines, hw, trace, seed: int, warmup_s: float = WARMUP_S,
     time (in note2-cpu's round 0 the first policy measured, round-robin, had a mean TTFT of
     102 ms where its later rounds had 66-68) is paid here, by no policy. Returns what
     load.json says of it."""
-    result = asyncio.run(_measure_policy(engines, hw, trace, WARMUP_POLICY, seed=seed, redis_url=None,
+    result = asyncio.run(gateway_load(engines, hw, trace, WARMUP_POLICY, seed=seed, redis_url=None,
                                          max_requests=max_requests, time_limit_s=warmup_s))
     engines.reset_prefix_cache()
     errors = sum(1 for r in result.rows if r["status"] != "ok")
@@ -204,11 +215,14 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
     checks: dict[str, dict] = {}
     loads: dict[str, dict] = {}
     client_cpu: dict[str, float] = {}
-    with running_engines(hw, run_dir=out / "engines", kind=engine, time_scale=time_scale,
-                         kv_events=kv_events) as engines:
+    with ExitStack() as stack:
+        engines = stack.enter_context(running_engines(hw, run_dir=out / "engines", kind=engine,
+                                                      time_scale=time_scale, kv_events=kv_events))
         source = "emulated" if engines.kind == "emulator" else "live"
+        pinned = stack.enter_context(pinned_process(engines.client_cpus(hw)))
         affinity = {"mode": hw.engine.cpu_affinity if engines.kind == "vllm-cpu" else "none",
-                    "workers": engines.cpu_affinity(), "gateway_and_loadgen": sorted(os.sched_getaffinity(0))}
+                    "workers": engines.cpu_affinity(), "gateway_and_loadgen": sorted(os.sched_getaffinity(0)),
+                    "client_worker": engines.names[hw.engine.client_worker] if pinned else None}
         log.info("CPU affinity: %s", affinity)
         warmup = {}
         if runs and engines.kind != "emulator" and warmup_s > 0:  # the emulator has no first-load cost
@@ -229,7 +243,7 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
                 result = _measure_peer(engines, hw, trace, run.policy, logp, **kwargs)
             else:
                 result = asyncio.run(
-                    _measure_policy(engines, hw, trace, run.policy, seed=exp.seed + run.round, redis_url=redis_url,
+                    gateway_load(engines, hw, trace, run.policy, seed=exp.seed + run.round, redis_url=redis_url,
                                     load_signal=signal, **kwargs)
                 )
             records += records_for(result.rows, source=source, experiment=exp.name, hardware=hardware,

@@ -31,6 +31,12 @@ repetition is one stretch of time:
   measured as an ``api`` probe's; the engine must count only the probe over its window (no
   background stream ends in it), else the probe is kept as an error row.
 
+* ``client`` (the last session only, :func:`client_probe`): batches of single-turn chats
+  of a few sizes routed through a kvroute gateway in this process, as ``kvroute measure``
+  routes, with the process pinned as it pins it (``engine.client_worker``): the CPU time
+  this process spends per request, per prompt token and per streamed token. On the CPU
+  build that work runs on a worker's core, beside its engine.
+
 Every probe (a batch counts as one) waits for the engine's counters to count its
 requests before the next is sent, so each histogram change is that probe's own.
 The workers of a profile are probed side by side (each on its own schedule), as the
@@ -52,7 +58,7 @@ from dataclasses import asdict, dataclass, field, fields
 import aiohttp
 
 from kvroute.live import text
-from kvroute.live.engines import EngineError
+from kvroute.live.engines import EngineError, pinned_process
 from kvroute.live.metrics import parse_metrics
 
 #: the histogram sums and counts read around every sequential probe
@@ -93,6 +99,11 @@ class ProbePlan:
     busy_probes: int = 8  # API probes sent while the engine decodes (per session; spread over repetitions)
     busy_words: tuple[int, ...] = (4, 1152)  # their lengths, in turn
     busy_tokens: int = 96  # tokens of each background stream: enough to outlast the probe
+    # the client phase (last session only): batches of single-turn chats through a kvroute gateway
+    client_repetitions: int = 3  # times every kind of batch is sent (0: no client phase)
+    client_requests: int = 16  # chats per batch
+    client_concurrency: int | None = None  # chats in flight (default: every worker's max_num_seqs, a full batch)
+    client_kinds: tuple[tuple[int, int], ...] = ((4, 2), (4, 64), (1000, 2))  # (words, tokens out) per batch kind
 
     def __post_init__(self) -> None:
         if self.api_probes < 3 or self.repetitions < 1 or self.sessions < 1:
@@ -103,6 +114,10 @@ class ProbePlan:
             raise ValueError(f"decode_tokens {self.decode_tokens}: a decode window needs at least 8 tokens")
         if any(n < 1 for n in (*self.prefill_words, *self.decode_words, *self.busy_words, self.api_words)):
             raise ValueError("probe lengths must be positive")
+        if self.client_repetitions < 0 or self.client_requests < 1 or any(
+                w < 1 or t < 1 for w, t in self.client_kinds):
+            raise ValueError("a probe plan's client phase needs client_repetitions >= 0, client_requests >= 1 and "
+                             "positive (words, tokens) kinds")
 
     def batches(self, max_num_seqs: int) -> tuple[int, ...]:
         b = self.decode_batches or tuple(range(1, max_num_seqs + 1))
@@ -120,6 +135,7 @@ class ProbePlan:
     def to_dict(self, max_num_seqs: int) -> dict:
         d = asdict(self)
         d["decode_batches"] = list(self.batches(max_num_seqs))
+        d["client_kinds"] = [list(k) for k in self.client_kinds]
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
@@ -385,6 +401,47 @@ async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, p
     return [r for rs in results for r in rs]
 
 
+#: the client phase's gateway policy: both workers serve, as under the spreading policies
+CLIENT_POLICY = "round_robin"
+
+
+def client_probe(engines, hw, plan: ProbePlan, nonce: str = "") -> list[dict]:
+    """The client phase: the CPU this process spends per request and per token as a kvroute
+    gateway and the load generator (one process, as ``kvroute measure`` runs them) route
+    and stream requests of its own to ``engines``.
+
+    ``plan.client_repetitions`` times, a batch of each ``plan.client_kinds`` (words in, tokens
+    out): ``plan.client_requests`` single-turn chats of that size, closed loop,
+    ``plan.client_concurrency`` at a time (default ``max_num_seqs`` per worker: the streams
+    arrive together as under load, when the client often reads several tokens at once),
+    through a round-robin gateway. A row per batch: its requests, prompt and
+    output tokens (as the engines reported them), errors, wall seconds and ``cpu_ms``, this
+    process's CPU time over the replay alone (:attr:`~kvroute.live.loadgen.LoadResult.cpu_s`).
+    :func:`kvroute.probefit.client_costs` fits the per-request, per-prompt-token and
+    per-streamed-token costs to them.
+    """
+    from kvroute.live.measure import gateway_load
+    from kvroute.workload.trace import Conversation, Trace, Turn
+
+    nonce = nonce or f"{time.time_ns():x}"
+    concurrency = plan.client_concurrency or len(engines.urls) * hw.engine.max_num_seqs
+    rows: list[dict] = []
+    for rep in range(plan.client_repetitions):
+        for kind, (words, tokens) in enumerate(plan.client_kinds):
+            convs = tuple(Conversation(f"probe-client:{nonce}:{rep}:{kind}:{i}", "", 0, (Turn(words, tokens),))
+                          for i in range(plan.client_requests))
+            trace = Trace("probe-client", "closed", convs, concurrency=concurrency)
+            result = asyncio.run(gateway_load(engines, hw, trace, CLIENT_POLICY, seed=0, redis_url=None,
+                                              progress_every_s=None))
+            ok = [r for r in result.rows if r["status"] == "ok"]
+            rows.append({"rep": rep, "words": words, "max_tokens": tokens, "requests": len(result.rows),
+                         "prompt_tokens": sum(int(r["prompt_tokens"] or 0) for r in ok),
+                         "output_tokens": sum(int(r["output_tokens"] or 0) for r in ok),
+                         "errors": len(result.rows) - len(ok), "wall_s": round(result.wall_s, 3),
+                         "cpu_ms": round(result.cpu_s * 1e3, 2)})
+    return rows
+
+
 def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = None,
               model_dir=None, python: str | None = None) -> tuple[list[ProbeRequest], dict]:
     """Start ``hw``'s engines (only ours, on 127.0.0.1), probe them with ``plan``, stop them;
@@ -412,6 +469,12 @@ def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = 
             t1 = time.monotonic()
             requests += asyncio.run(probe_workers(eng.names, eng.urls, served_model_name(hw), plan,
                                                   hw.engine.max_num_seqs, session=session))
+            if session == plan.sessions - 1 and plan.client_repetitions:
+                # pinned as kvroute measure pins its client (engine.client_worker), on fresh caches
+                eng.reset_prefix_cache()
+                with pinned_process(eng.client_cpus(hw)) as cpus:
+                    facts["client_cpus"] = cpus
+                    facts["client"] = client_probe(eng, hw, plan)
             t2 = time.monotonic()
         facts["startup_s"].append(round(t1 - t0, 1))
         facts["probe_s"].append(round(t2 - t1, 1))

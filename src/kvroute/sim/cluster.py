@@ -61,6 +61,8 @@ class WorkerDriver:
                 self._set_busy(False)
                 self._wake = env.event()
                 yield self._wake
+                if self.index == self.cluster.client_core:  # the client's work meanwhile ran on an idle core
+                    self.cluster.client_debt_s = 0.0
                 continue
             if not self.busy:
                 self._set_busy(True)
@@ -87,7 +89,20 @@ class WorkerDriver:
                     rest = start + ends[steps - 1] - env.now
                     if rest > 0:
                         yield env.timeout(rest)
-            first, finished = eng.commit(plan, steps, start)
+            # the client shares this engine's core: its work since the run began (and during
+            # that work) delays the run, as if the run had started that much later
+            charged = 0.0
+            if self.index == self.cluster.client_core:
+                while self.cluster.client_debt_s > 1e-9:
+                    debt, self.cluster.client_debt_s = self.cluster.client_debt_s, 0.0
+                    charged += debt
+                    yield env.timeout(debt)
+            first, finished = eng.commit(plan, steps, start + charged)
+            if self.cluster.client_core is not None:
+                # tokens streamed to the client: one per sequence and step of a decode run; in a
+                # step with prefill chunks, one per decoder and per request whose prompt completed
+                n = len(plan.reqs)
+                self.cluster.client_streamed(n * steps if plan.decode_only else n - len(plan.chunks) + len(first))
             if self.cluster.gateway_counters:
                 for r in first:
                     self.cluster.first_token(r)
@@ -384,6 +399,22 @@ class SimCluster:
         self._device_share = [1.0] * len(self.workers)
         if self.scrape is not None:  # unsynchronised scrapers: worker i's first scrape at phase i
             self.scrape_phase_s = (common.random(len(self.workers)) * load_signal.interval_s).tolist()
+        # The client (the gateway and the load generator, one process) pinned to the core of
+        # worker client_core (engine.client_worker; kvroute measure pins it there): its CPU per
+        # request routed and per token streamed, from any worker, as the probe measured it. It
+        # runs as soon as it is woken (the kernel favours a sleeper over the engine's long
+        # compute), so that engine loses exactly that time while it is busy; on an idle core
+        # the work costs no engine anything. Charged as a debt the engine pays at its run's end.
+        self.client_core: int | None = None
+        self.client_debt_s = 0.0
+        self._client_token_s = c.client_cpu_per_token_ms * 1e-3
+        if hw.engine.client_worker is not None and (c.client_cpu_per_request_ms > 0 or self._client_token_s > 0
+                                                    or c.client_cpu_per_prompt_token_ms > 0):
+            self.client_core = hw.engine.client_worker
+
+    def client_streamed(self, tokens: int) -> None:
+        """``tokens`` streamed back through the client: their CPU, owed by the client's core."""
+        self.client_debt_s += tokens * self._client_token_s
 
     # -- device sharing -----------------------------------------------------------
     def device_load_changed(self, driver: WorkerDriver) -> None:
@@ -462,6 +493,8 @@ class SimCluster:
         done = env.event()
         self.pending[rid] = Pending(conv, turn, i, env.now, done, later, uncached)
         ereq = EngineRequest(rid, prompt, output, hashes)
+        if self.client_core is not None:  # routing and sending it
+            self.client_debt_s += self.coefficients.client_request_s(prompt)
         work = self.coefficients.api_work_s(self.api_delay_s[index][turn], prompt)
         if not self.api_shares_core:
             env.timeout(work).callbacks.append(lambda _ev: self._deliver(i, ereq))  # cheaper than a process
