@@ -9,6 +9,7 @@ and fits it. About 1.5-2.5 minutes on 2 shared cores (start-up is most of it).
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -70,3 +71,24 @@ def test_the_fit_is_sane(probed, tmp_path):
     Coefficients(**coefficient_values(entry))
     assert entry["provenance"]["experiments_read"].startswith("none")
     assert out.with_suffix(".csv").is_file()
+
+
+def test_the_client_phase_measures_the_gateway_and_load_generators_cpu(probed):
+    """The last session ends with batches through a kvroute gateway in this process, pinned to
+    engine.client_worker's core as kvroute measure pins it; the fit gives the client's costs."""
+    hw, requests, facts = probed
+    batches = facts["client"]
+    assert len(batches) == PLAN.client_repetitions * len(PLAN.client_kinds)
+    assert all(b["errors"] == 0 and b["requests"] == PLAN.client_requests and b["cpu_ms"] > 0 for b in batches)
+    for b in batches:  # every chat streamed all its tokens back through the gateway
+        assert b["output_tokens"] == PLAN.client_requests * b["max_tokens"]
+    cores = sorted(os.sched_getaffinity(0))  # worker i runs on the i-th of them (kvroute.live.engines.plan_workers)
+    assert facts["client_cpus"] == [cores[hw.engine.client_worker % len(cores)]]
+    # the long replies cost the client more than the short ones: CPU per streamed token is real
+    short = [b["cpu_ms"] for b in batches if b["max_tokens"] == 2 and b["words"] < 100]
+    long_ = [b["cpu_ms"] for b in batches if b["max_tokens"] > 2]
+    assert min(long_) > max(short)
+    fit = fit_probes(requests, hw, plan_facts(PLAN, hw) | facts)
+    assert fit.coefficients["client_cpu_per_request_ms"] > 0 and fit.coefficients["client_cpu_per_token_ms"] > 0
+    entry = coefficient_entry(fit, hw)[hw.coefficients_name]
+    assert Coefficients(**coefficient_values(entry)).client_cpu_per_token_ms == entry["client_cpu_per_token_ms"]

@@ -254,7 +254,8 @@ class Hardware:
             "model": self.model.name,
             "engine": f"{self.engine.kind} {self.engine.version}",
             "cpu_affinity": self.engine.cpu_affinity,
-            "client_worker": self.engine.client_worker,
+            # the worker whose core the gateway and load generator are pinned to (none: not pinned)
+            "client_worker": "none" if self.engine.client_worker is None else self.worker_names[self.engine.client_worker],
             "block_size": self.engine.block_size,
             "num_blocks": self.num_blocks,
             "coefficients": self.coefficients_name,
@@ -307,6 +308,7 @@ def validate_profile(name: str, raw: object) -> None:
     if engine.get("cpu_affinity", "none") != "none" and engine["kind"] != "vllm-cpu":
         raise ValueError(f"hardware profile {name!r}: key engine.cpu_affinity: {engine['cpu_affinity']!r} "
                          f"places vllm-cpu workers on cores; this profile's engine is {engine['kind']!r}")
+    _check_devices(name, raw)  # type: ignore[arg-type]
     client = engine.get("client_worker")
     if client is not None:
         if engine.get("cpu_affinity", "none") != "per_worker":
@@ -315,7 +317,6 @@ def validate_profile(name: str, raw: object) -> None:
         if client >= raw["workers"]:  # type: ignore[index]
             raise ValueError(f"hardware profile {name!r}: key engine.client_worker: {client} names no worker "
                              f"(workers: {raw['workers']})")  # type: ignore[index]
-    _check_devices(name, raw)  # type: ignore[arg-type]
 
 
 def _check_devices(name: str, raw: dict) -> None:

@@ -50,8 +50,9 @@ PROFILE_TABLES = (
     ("shape", [("gpu", "GPU", 0.27, "l"), ("gpus", "GPUs", 0.07, "r"), ("workers", "Workers", 0.09, "r"),
                ("workers_per_gpu", "Workers per GPU", 0.09, "r"), ("tensor_parallel", "Tensor parallel", 0.09, "r"),
                ("block_size", "Block size (tokens)", 0.10, "r"), ("num_blocks", "KV blocks", 0.11, "r")]),
-    ("software", [("model", "Model", 0.30, "l"), ("engine", "Engine", 0.18, "l"),
-                  ("coefficients", "Step-time coefficients", 0.17, "l"), ("cpu_affinity", "CPU affinity", 0.17, "l")]),
+    ("software", [("model", "Model", 0.22, "l"), ("engine", "Engine", 0.18, "l"),
+                  ("coefficients", "Step-time coefficients", 0.17, "l"), ("cpu_affinity", "CPU affinity", 0.15, "l"),
+                  ("client_worker", "Client on", 0.10, "l")]),
 )
 #: share of the line of the profile-name column in every hardware table
 PROFILE_COLUMN = 0.18
