@@ -176,3 +176,22 @@ def test_the_operating_points_target_is_an_anchor():
 
     anchors = operating_point_anchors(ROOT / "config/experiments", ["kv-reuse", "note2-6turn", "no-such"])
     assert anchors == frozenset({("kv-reuse", "least_loaded", "ttft_mean_ms")})
+
+
+def test_oversubscribed_share_is_the_time_a_worker_holds_more_than_its_batch():
+    """Two requests on w0 overlapping for 1 s of a 4 s round, with max_seqs 1: a quarter of
+    the round; on two workers, or with max_seqs 2, never; a failed row is left out."""
+    from kvroute.analysis.validation import oversubscribed_share
+
+    rows = pd.DataFrame([
+        {"policy": "p", "round": 0, "worker": "w0", "arrival_s": 0.0, "finish_s": 2.0},
+        {"policy": "p", "round": 0, "worker": "w0", "arrival_s": 1.0, "finish_s": 3.0},
+        {"policy": "p", "round": 0, "worker": "w1", "arrival_s": 3.0, "finish_s": 4.0},
+        {"policy": "p", "round": 0, "worker": "w1", "arrival_s": 3.5, "finish_s": float("nan")},
+        {"policy": "q", "round": 0, "worker": "w0", "arrival_s": 0.0, "finish_s": 2.0},
+        {"policy": "q", "round": 0, "worker": "w1", "arrival_s": 1.0, "finish_s": 3.0},
+        {"policy": "q", "round": 0, "worker": "w0", "arrival_s": 2.0, "finish_s": 4.0},  # starts as one ends
+    ])
+    got = oversubscribed_share(rows, max_seqs=1).set_index("policy")["share"]
+    assert got["p"] == pytest.approx(0.25) and got["q"] == 0.0
+    assert oversubscribed_share(rows, max_seqs=2)["share"].eq(0.0).all()

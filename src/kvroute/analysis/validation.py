@@ -251,3 +251,28 @@ def order_checks(summary: pd.DataFrame) -> pd.DataFrame:
                     rows.append({"experiment": exp, "hardware": hw, "metric": metric, "lower": a.policy,
                                  "higher": b.policy, "predicted_same": bool(a.predicted < b.predicted)})
     return pd.DataFrame(rows, columns=["experiment", "hardware", "metric", "lower", "higher", "predicted_same"])
+
+
+def oversubscribed_share(records: pd.DataFrame, max_seqs: int) -> pd.DataFrame:
+    """Per policy and round: the share of the round (first arrival to last finish) during
+    which its busiest worker held more than ``max_seqs`` requests in flight (sent and not
+    yet finished). Beyond its engine's ``max_num_seqs`` a request waits for a whole reply
+    to end: the overload a policy without load feedback can fall into (docs/live.md, "vLLM
+    on this machine", item 5). Rows without a finish (failed requests) are left out.
+
+    Columns: ``policy, round, share``.
+    """
+    out = []
+    ok = records.dropna(subset=["arrival_s", "finish_s"])
+    for (policy, rnd), run in ok.groupby(["policy", "round"], sort=True):
+        span = run["finish_s"].max() - run["arrival_s"].min()
+        worst = 0.0
+        for _, w in run.groupby("worker"):
+            times = np.concatenate([w["arrival_s"].to_numpy(), w["finish_s"].to_numpy()])
+            steps = np.concatenate([np.ones(len(w)), -np.ones(len(w))])
+            order = np.lexsort((steps, times))  # at a tie a finish (-1) comes before an arrival
+            times, level = times[order], np.cumsum(steps[order])
+            over = float(np.sum(np.diff(times)[level[:-1] > max_seqs]))
+            worst = max(worst, over)
+        out.append({"policy": policy, "round": int(rnd), "share": worst / span if span > 0 else 0.0})
+    return pd.DataFrame(out, columns=["policy", "round", "share"])
