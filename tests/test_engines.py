@@ -285,9 +285,14 @@ def test_a_deep_run_folder_gets_a_short_tmpdir_removed_at_stop(tmp_path):
 
 
 def _thread_cpus() -> dict[int, set[int]]:
+    """Each live thread's allowed CPUs; a thread that ends while this reads is left out."""
     out = {}
     for task in Path("/proc/self/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
+        try:
+            lines = (task / "status").read_text().splitlines()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in lines:
             if line.startswith("Cpus_allowed_list:"):
                 out[int(task.name)] = parse_cpu_list(line.split(":", 1)[1])
     return out

@@ -276,7 +276,7 @@ def pinned_process(cpus: Sequence[int]) -> Iterator[list[int]]:
     try:
         yield cpus
     finally:
-        this = before.get(os.getpid(), os.sched_getaffinity(0))
+        this = before.get(threading.get_native_id(), os.sched_getaffinity(0))
         for task in Path("/proc/self/task").iterdir():  # threads started meanwhile: as this one was
             tid = int(task.name)
             try:
