@@ -491,6 +491,18 @@ def test_least_loaded_table_as_published():
     assert str(t.iloc[0]["difference"]) == r"\num{0.0}\,pt"  # -5% is inside the published 3 to 6% less
     assert str(t.iloc[2]["difference"]) == r"\num{-17.0}\,pt"  # -50% against the published -33%
     assert str(t.iloc[3]["published"]) == r"\num{86}" and str(t.iloc[3]["difference"]) == r"\num{-6.0}\,pt"
+    # a load-signal variant (its experiments named with a suffix) gets columns of its own,
+    # judged against the same published figures; a variant not simulated shows dashes
+    scraped = {e + "-scraped": summary(e + "-scraped").assign(hit_rate=[0.9, 0.9, 0.7, 0.7])
+               for e in ("note2-6turn", "note2-20turn")}
+    sims = {e: summary(e) for e in ("note2-6turn", "note2-20turn")} | scraped
+    t = note2.least_loaded_table(sims, pub, variants=("", "-scraped", "-late"))
+    assert list(t.columns) == ["measure", "chats", "published", "simulated", "difference", "simulated-scraped",
+                               "difference-scraped", "simulated-late", "difference-late"]
+    assert str(t.iloc[2]["difference-scraped"]) == r"\num{-17.0}\,pt"  # the p90 row: a pattern, note2-20turn*
+    assert str(t.iloc[3]["simulated-scraped"]).startswith(r"\num{70.0")
+    assert str(t.iloc[3]["difference-scraped"]) == r"\num{-16.0}\,pt"
+    assert t["simulated-late"].eq(DASH).all()
 
 
 def test_reported_files_have_sources():

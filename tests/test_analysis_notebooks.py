@@ -30,6 +30,13 @@ SAMPLES = {
                     "runs": [{"hardware": "a6000x4", "policies": ["round_robin", "least_loaded", "kv_aware"]}]},
     "note2-20turn": {"generator": "note2", "params": {"chats": 8, "turns": 4, "ramp_s": 1.0},
                      "runs": [{"hardware": "a6000x4", "policies": ["round_robin", "least_loaded", "kv_aware"]}]},
+    # the least-loaded comparison with scraped load (note2-*-scraped)
+    "note2-6turn-scraped": {"generator": "note2", "params": {"chats": 8, "turns": 3, "ramp_s": 1.0},
+                            "load_signal": {"source": "scraped", "interval_ms": 50},
+                            "runs": [{"hardware": "a6000x4", "policies": ["least_loaded", "kv_aware"]}]},
+    "note2-20turn-scraped": {"generator": "note2", "params": {"chats": 8, "turns": 4, "ramp_s": 1.0},
+                             "load_signal": {"source": "scraped", "interval_ms": 50},
+                             "runs": [{"hardware": "a6000x4", "policies": ["least_loaded", "kv_aware"]}]},
     "note2-a100": {"generator": "note2", "params": {"chats": 8, "turns": 3, "ramp_s": 1.0},
                    "runs": [{"hardware": "a100x1-2workers", "policies": ["round_robin", "kv_aware"]},
                             {"hardware": "a100x1", "policies": ["round_robin"]}]},
@@ -125,7 +132,7 @@ def _simulate(name: str, spec: dict, out: Path, tmp: Path, rounds: int = 2) -> N
     path.write_text(yaml.safe_dump({"name": name, "seed": 3, "rounds": rounds,
                                     "workload": {("dataset" if "dataset" in spec else "generator"):
                                                  spec.get("dataset", spec.get("generator")), "params": spec["params"]},
-                                    **({"load": spec["load"]} if "load" in spec else {}), "runs": spec["runs"]}))
+                                    **{k: spec[k] for k in ("load", "load_signal") if k in spec}, "runs": spec["runs"]}))
     simulate_experiment(load_experiment(path), out)
 
 

@@ -17,6 +17,7 @@ from kvroute.analysis.validation import (
     order_checks,
     published_rows,
     read_reported,
+    reported_experiment_matches,
 )
 from kvroute.cli import main
 
@@ -94,6 +95,27 @@ def test_published_rows_ranges_changes_and_unstated_chat_lengths():
     change = out[out["metric"] == "time_to_complete_s_change"].iloc[0]
     assert change["predicted"] == pytest.approx(-0.1)  # 90 / 100 - 1
     assert change["rel_error"] == pytest.approx(-0.04)  # a difference of changes, to the nearer end -0.06
+
+
+def test_a_reported_pattern_names_an_experiment_and_its_variants():
+    """``note2-20turn*``: the experiment and its load-signal variant, not the 6-turn one; ``*``
+    is every experiment of the note, variants included."""
+    sim = pd.concat([_summary(p, [t, t], [0.9, 0.9], exp=e, hw="a6000x4")
+                     for e in ("note2-20turn", "note2-20turn-scraped", "note2-6turn")
+                     for p, t in (("kv_aware", 90), ("least_loaded", 100 if e.endswith("scraped") else 90))])
+    rep = pd.DataFrame([
+        {"experiment": "note2-20turn*", "hardware": "a6000x4", "policy": "kv_aware vs least_loaded",
+         "metric": "time_to_complete_s_change", "value": -0.33, "value_hi": np.nan, "note": "note2"},
+        {"experiment": "*", "hardware": "a6000x4", "policy": "least_loaded", "metric": "hit_rate", "value": 0.86,
+         "value_hi": np.nan, "note": "note2"},
+    ])
+    out = published_rows(sim, rep, in_sample=never)
+    change = out[out["metric"] == "time_to_complete_s_change"].set_index("experiment")["predicted"]
+    assert change.to_dict() == pytest.approx({"note2-20turn": 0.0, "note2-20turn-scraped": -0.1})
+    assert set(out.loc[out["metric"] == "hit_rate", "experiment"]) == {"note2-20turn", "note2-20turn-scraped", "note2-6turn"}
+    assert reported_experiment_matches("*", "note2-6turn", "note2")
+    assert not reported_experiment_matches("*", "kv-reuse", "note2")
+    assert reported_experiment_matches("note2-6turn", "note2-6turn") and not reported_experiment_matches("note2-6turn", "note2-6turn-scraped")
 
 
 def test_order_checks_judge_only_distinguishable_pairs():

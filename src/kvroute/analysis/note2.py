@@ -9,7 +9,7 @@ measured cells are dashes until ``results/measure/<exp>`` exists.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ import pandas as pd
 
 from kvroute.analysis.stats import Interval, interval
 from kvroute.analysis.tables import DASH, Tex, fmt, num, num_ci
+from kvroute.analysis.validation import reported_experiment_matches
 
 #: experiments the note reads (simulated; measured where the hardware exists)
 EXPERIMENTS = ("note2-6turn", "note2-20turn", "note2-a100", "note2-large")
@@ -59,7 +60,8 @@ def published_range(pub: pd.DataFrame | None, row: Row) -> tuple[float, float] |
     if pub is None:
         return None
     m = pub[(pub["table"] == row.table) & (pub["metric"] == row.metric) & (pub["policy"] == row.policy)
-            & pub["experiment"].isin([row.experiment, "*"]) & pub["hardware"].isin([row.hardware, "*"])]
+            & pub["experiment"].map(lambda e: reported_experiment_matches(e, row.experiment))
+            & pub["hardware"].isin([row.hardware, "*"])]
     if m.empty:
         return None
     r = m.iloc[0]
@@ -263,32 +265,48 @@ LL_CHANGES = (("time to complete, change (%)", "time_to_complete_s", ("note2-6tu
               ("p90 TTFT, change (%)", "ttft_p90_ms", ("note2-20turn",)))
 
 
+#: the load signals the least-loaded comparison is simulated with: the suffix of each
+#: variant's experiment (note2-20turn-scraped: the same workload draws, the load as a
+#: scraping router sees it; its file says which)
+LL_VARIANTS = ("", "-scraped")
+#: the variants' experiments (the note's own are in EXPERIMENTS)
+LL_VARIANT_EXPERIMENTS = tuple(f"{e}{v}" for v in LL_VARIANTS if v for e, _ in CHATS)
+
+
 def least_loaded_table(sims: dict[str, pd.DataFrame | None], pub: pd.DataFrame | None,
-                       hardware: str = "a6000x4") -> pd.DataFrame:
+                       hardware: str = "a6000x4", variants: Sequence[str] = ("",)) -> pd.DataFrame:
     """KV-aware against least-loaded as the note published it: ``measure | chats |
-    published | simulated | difference``. The changes (KV-aware / least-loaded - 1) are
-    paired round by round (:func:`paired_change`), in percent; least-loaded's hit rate in
-    percent; the difference in points (:func:`difference`). A figure whose chat length
-    the note does not state is shown for both."""
+    published`` then ``simulated<suffix> | difference<suffix>`` for each variant (the
+    suffix of its experiments' names, "" for the note's own). The changes (KV-aware /
+    least-loaded - 1) are paired round by round (:func:`paired_change`), in percent;
+    least-loaded's hit rate in percent; the difference in points (:func:`difference`). A
+    figure whose chat length the note does not state is shown for both."""
     label = dict(CHATS)
     out = []
+
+    def cells(row: Row, ivs: dict[str, Interval]) -> dict:
+        given = published_range(pub, row)
+        d = {"measure": row.label, "chats": label[row.experiment], "published": published_cell(pub, row)}
+        for v in variants:
+            d[f"simulated{v}"] = num_ci(ivs[v], 1)
+            d[f"difference{v}"] = difference_cell(difference(given, ivs[v].mean, True), True)
+        return d
+
     for measure, metric, exps in LL_CHANGES:
         for exp in exps:
             row = Row(measure, exp, hardware, "kv_aware vs least_loaded", f"{metric}_change", 1, percent=True,
                       table="least_loaded")
-            s = sims.get(exp)
-            iv = (paired_change(s, hardware, "kv_aware", "least_loaded", metric) if s is not None else interval([]))
-            iv = Interval(100 * iv.mean, 100 * iv.lo, 100 * iv.hi, 100 * iv.half, iv.n) if iv.n else iv
-            out.append({"measure": measure, "chats": label[exp], "published": published_cell(pub, row),
-                        "simulated": num_ci(iv, 1),
-                        "difference": difference_cell(difference(published_range(pub, row), iv.mean, True), True)})
-    for exp, chats in CHATS:
+            ivs = {}
+            for v in variants:
+                s = sims.get(exp + v)
+                iv = (paired_change(s, hardware, "kv_aware", "least_loaded", metric) if s is not None else interval([]))
+                ivs[v] = Interval(100 * iv.mean, 100 * iv.lo, 100 * iv.hi, 100 * iv.half, iv.n) if iv.n else iv
+            out.append(cells(row, ivs))
+    for exp, _ in CHATS:
         row = Row("least-loaded hit rate (%)", exp, hardware, "least_loaded", "hit_rate", 1, percent=True,
                   table="least_loaded")
-        iv = rounds_interval(sims.get(exp), row)
-        out.append({"measure": row.label, "chats": chats, "published": published_cell(pub, row),
-                    "simulated": num_ci(iv, 1),
-                    "difference": difference_cell(difference(published_range(pub, row), iv.mean, True), True)})
+        ivs = {v: rounds_interval(sims.get(exp + v), replace(row, experiment=exp + v)) for v in variants}
+        out.append(cells(row, ivs))
     return pd.DataFrame(out)
 
 
@@ -401,6 +419,7 @@ METRIC_LABELS = {
 }
 #: the experiments' short names in the validation table
 EXPERIMENT_LABELS = {"note2-6turn": "6-turn", "note2-20turn": "20-turn", "note2-a100": "A100, 6-turn", "note2-cpu": "CPU",
+                     "note2-6turn-scraped": "6-turn, scraped", "note2-20turn-scraped": "20-turn, scraped",
                      "explainer-two-replicas": "sticky"}
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,19 @@ def _predicted(sim: pd.DataFrame, exp: str, hw: str, policy: str, metric: str) -
     return float(s[metric].mean()) if len(s) and metric in s else float("nan")
 
 
+def _is_pattern(experiment: str) -> bool:
+    return any(c in experiment for c in "*?[")
+
+
+def reported_experiment_matches(pattern: str, experiment: str, note: str | None = None) -> bool:
+    """Whether a published figure's ``experiment`` (``paper/reported/*.csv``) applies to
+    ``experiment``: the same name, or a glob over it (``note2-20turn*``); ``*`` alone is
+    every experiment of the note ``note`` (``note2-*``), or of any note when none is given."""
+    if pattern == "*" and note is not None:
+        pattern = f"{note}-*"
+    return fnmatchcase(experiment, pattern)
+
+
 def published_rows(
     sim: pd.DataFrame,
     reported: pd.DataFrame,
@@ -153,7 +167,8 @@ def published_rows(
     original does not state) gives one row per simulated experiment of that note (named
     after the reported file: ``note2.csv`` -> ``note2-*``) on that hardware, except its
     sweeps (experiments with a load axis): they vary the workload the figure was
-    published for. A hardware ``*`` (an original whose hardware is not published) gives
+    published for. Any other pattern (``note2-20turn*``: the experiment and its variants,
+    such as another load signal) is matched as :func:`reported_experiment_matches` does. A hardware ``*`` (an original whose hardware is not published) gives
     one row per profile the experiment was simulated on. ``anchors``: (experiment, policy,
     metric) figures the simulation was matched to (an operating point's target), in sample
     whatever the coefficients."""
@@ -161,10 +176,10 @@ def published_rows(
         return pd.DataFrame(columns=list(COLUMNS))
     rows = []
     for r in reported[reported["metric"].notna()].itertuples(index=False):
-        if r.experiment == "*":
+        if _is_pattern(r.experiment):
             swept = sim["load_param"].notna() if "load_param" in sim else pd.Series(False, index=sim.index)
             on_hw = sim.loc[(sim["hardware"] == r.hardware) & ~swept, "experiment"].unique()
-            exps = sorted(e for e in on_hw if e.startswith(f"{r.note}-"))
+            exps = sorted(e for e in on_hw if reported_experiment_matches(r.experiment, e, r.note))
         else:
             exps = [r.experiment]
         hi = float(r.value_hi) if pd.notna(getattr(r, "value_hi", float("nan"))) else float("nan")
