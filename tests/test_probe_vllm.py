@@ -92,3 +92,16 @@ def test_the_client_phase_measures_the_gateway_and_load_generators_cpu(probed):
     assert fit.coefficients["client_cpu_per_request_ms"] > 0 and fit.coefficients["client_cpu_per_token_ms"] > 0
     entry = coefficient_entry(fit, hw)[hw.coefficients_name]
     assert Coefficients(**coefficient_values(entry)).client_cpu_per_token_ms == entry["client_cpu_per_token_ms"]
+
+
+def test_the_refused_phase_measures_what_a_refusal_costs_a_worker(probed):
+    """The last session asks every idle worker to render requests, as vllm-router's
+    cache_aware does before routing; vLLM refuses (403), and each refusal costs that
+    worker's process tree CPU time, which the fit states with an error."""
+    hw, requests, facts = probed
+    batches = facts["refused"]
+    assert len(batches) == PLAN.refused_repetitions * hw.workers
+    assert all(b["statuses"] == {"403": PLAN.refused_requests} and b["errors"] == 0 for b in batches), batches
+    assert sum(b["cpu_ms"] for b in batches) > 0
+    fit = fit_probes(requests, hw, plan_facts(PLAN, hw) | facts)
+    assert 0 < fit.coefficients["api_refused_request_ms"] < 20 and fit.errors["api_refused_request_ms"] > 0

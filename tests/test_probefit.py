@@ -9,8 +9,8 @@ from click.testing import CliRunner
 from kvroute.cli import main
 from kvroute.hardware import load_hardware
 from kvroute.live.probe import ProbePlan, ProbeRequest
-from kvroute.probefit import (CLIENT, FITTED, Observation, client_costs, coefficient_entry, collect, fit_probes,
-                              model_at, observation_table, predict)
+from kvroute.probefit import (CLIENT, FITTED, REFUSED, Observation, client_costs, coefficient_entry, collect,
+                              fit_probes, model_at, observation_table, predict, refused_cost)
 
 TRUTH = {"compute_efficiency": 1.3, "mem_efficiency": 0.8, "step_overhead_ms": 3.0, "per_seq_overhead_ms": 0.25}
 API_MS, JITTER_MS, ADMISSION_MS = 12.0, 4.0, 3.5
@@ -342,3 +342,27 @@ def test_the_clients_costs_reach_the_coefficients_entry():
     # without a client phase the entry has no client terms: the simulator charges nothing
     bare = coefficient_entry(fit_probes(synthetic_requests(), HW, {"workers": 2}), HW)[HW.coefficients_name]
     assert not set(CLIENT) & set(bare)
+
+
+def refused_batches(ms: float = 0.6, noise_ms: float = 0.0, seed: int = 0) -> list[dict]:
+    """Refused batches as kvroute.live.probe.refused_probe writes them, ``ms`` CPU a refusal."""
+    rng = np.random.default_rng(seed)
+    return [{"worker": w, "rep": rep, "calls": 40, "statuses": {"403": 40}, "errors": 0, "wall_s": 0.03,
+             "cpu_ms": float(40 * ms + rng.normal(0, noise_ms))} for rep in range(4) for w in HW.worker_names]
+
+
+def test_a_refusals_cost_is_the_mean_per_request_and_reaches_the_entry():
+    """vllm-router's render call, refused by every worker: the CPU per refusal, with an error."""
+    exact = refused_cost(refused_batches())[REFUSED]
+    assert exact["value"] == pytest.approx(0.6) and exact["se"] == pytest.approx(0.0, abs=1e-12)
+    noisy = refused_cost(refused_batches(noise_ms=4.0, seed=2))[REFUSED]
+    assert noisy["se"] > 0 and noisy["dof"] >= 1 and abs(noisy["value"] - 0.6) < 4 * noisy["se"]
+    # a batch with errors is left out; too few batches measure nothing
+    bad = refused_batches() + [dict(refused_batches()[0], errors=40, cpu_ms=1e6)]
+    assert refused_cost(bad)[REFUSED]["value"] == pytest.approx(0.6)
+    assert refused_cost(refused_batches()[:2]) == {}
+    fit = fit_probes(synthetic_requests(), HW, {"workers": 2, "refused": refused_batches(noise_ms=1.0)})
+    entry = coefficient_entry(fit, HW)[HW.coefficients_name]
+    assert entry[REFUSED] == pytest.approx(0.6, rel=0.2) and entry["provenance"]["measured"][REFUSED]["se"] > 0
+    bare = coefficient_entry(fit_probes(synthetic_requests(), HW, {"workers": 2}), HW)[HW.coefficients_name]
+    assert REFUSED not in bare

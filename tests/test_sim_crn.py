@@ -153,6 +153,7 @@ class _ByChat:
 
     name = "by_chat"
     index_on_finish = False
+    asks_every_worker = False
 
     def __init__(self, trace):
         self.worker = {c.id: f"w{i % 2}" for i, c in enumerate(trace.conversations)}
@@ -198,3 +199,35 @@ def test_the_clients_cpu_slows_only_the_engine_on_its_core():
     unpinned = dataclasses.replace(unpinned, coefficients=_cpu(**CLIENT).coefficients)
     _, free, same = _client_run(unpinned)
     assert free.client_core is None and same.equals(base)
+
+
+class _AskingByChat(_ByChat):
+    """_ByChat that first asks every worker, as vllm-router's cache_aware asks each to render."""
+
+    asks_every_worker = True
+
+
+def test_a_policy_that_asks_every_worker_charges_each_core_its_refusals():
+    """vllm-router's cache_aware posts every request to every worker first (vLLM refuses):
+    with the probe-measured cost per refusal each engine finishes later, by no more than all
+    the refusals' work; without it, or where the API server has a core of its own (GPU
+    families: api_busy_factor 1), routing alike gives identical records."""
+    refused, f = 2.0, 1.5  # ms a refusal; the API server shares its engine's core, as the probes find
+    hw = _cpu(api_busy_factor=f)
+    trace = generate("note2", 4, chats=8, turns=4, system_words=300, user_words=60, reply_tokens=32, ramp_s=1.0)
+
+    def run(hw, policy):
+        cluster = SimCluster(trace, hw, policy(trace), common_rng(4, 0), True)
+        return pd.DataFrame(cluster.run()).set_index(["conversation", "turn"]).sort_index()
+
+    base = run(hw, _ByChat)
+    assert run(hw, _AskingByChat).equals(base)  # no measured cost: nothing charged
+    assert run(_cpu(api_refused_request_ms=refused, api_busy_factor=f), _ByChat).equals(base)  # one that does not ask
+    rows = run(_cpu(api_refused_request_ms=refused, api_busy_factor=f), _AskingByChat)
+    assert (rows.worker == base.worker).all() and set(rows.worker) == {"w0", "w1"}
+    for w in ("w0", "w1"):  # both engines, though each serves only its own chats
+        on = rows.worker == w
+        late = rows.loc[on, "finish_s"] - base.loc[on, "finish_s"]
+        assert late.mean() > 0 and late.max() <= len(rows) * refused * 1e-3, (w, late.describe())
+    gpu_like = _cpu(api_refused_request_ms=refused, api_busy_factor=1.0)
+    assert run(gpu_like, _AskingByChat).equals(run(gpu_like, _ByChat))

@@ -145,6 +145,10 @@ class Coefficients:
     client_cpu_per_request_ms: float = 0.0
     client_cpu_per_prompt_token_ms: float = 0.0
     client_cpu_per_token_ms: float = 0.0
+    #: a worker's CPU for a request it answers without serving it (vllm-router's cache_aware
+    #: asks every worker to render each request first; vLLM refuses), on that worker's core;
+    #: measured by the CPU probes, 0 where unmeasured (kvroute.sim.cluster)
+    api_refused_request_ms: float = 0.0
 
     def client_request_s(self, prompt_tokens: int) -> float:
         """The client's CPU seconds for routing and sending one request of ``prompt_tokens``."""

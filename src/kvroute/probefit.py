@@ -377,6 +377,23 @@ def _mean_with_errors(xs: np.ndarray, blocks: list[tuple[int, str, int]]) -> dic
 CLIENT = ("client_cpu_per_request_ms", "client_cpu_per_prompt_token_ms", "client_cpu_per_token_ms")
 
 
+#: a worker's CPU per request it refuses (:func:`refused_cost`)
+REFUSED = "api_refused_request_ms"
+
+
+def refused_cost(batches: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """A worker's CPU per request it answers without serving it (vllm-router's render call,
+    refused), from the probe's refused batches (:func:`kvroute.live.probe.refused_probe`):
+    the mean over batches of CPU per request, with the larger of its standard error and a
+    leave-one-worker-out jackknife (:func:`_mean_with_errors`). Empty with fewer than three
+    error-free batches."""
+    ok = [b for b in batches if b.get("calls") and not b.get("errors")]
+    if len(ok) < 3:
+        return {}
+    xs = np.array([b["cpu_ms"] / b["calls"] for b in ok], float)
+    return {REFUSED: _mean_with_errors(xs, [(0, b["worker"], b["rep"]) for b in ok])}
+
+
 def client_costs(batches: Sequence[dict]) -> dict[str, dict[str, float]]:
     """The client's CPU per request, per prompt token and per streamed token, from the
     probe's client batches (:func:`kvroute.live.probe.client_probe`): least squares of each
@@ -494,7 +511,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
         pt = np.asarray(s.per_token)
         measured["api_per_token_ms"] = {"value": float(np.median(pt)), "se": bootstrap_se(pt, np.median),
                                         "dof": pt.size - 1.0}
-    client = client_costs((probed or {}).get("client") or [])
+    client = client_costs((probed or {}).get("client") or []) | refused_cost((probed or {}).get("refused") or [])
     measured |= client
     coefficients = coef | {k: est[k] for k in MEASURED} | {k: v["value"] for k, v in client.items()}
     errors = {k: se[k] for k in (*FITTED, *MEASURED)} | {k: v["se"] for k, v in client.items()}
@@ -550,7 +567,7 @@ def _stated(value: float, se: float, dof: float) -> dict[str, float]:
 def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) -> dict[str, dict]:
     """The fit as a ``hardware/coefficients.yaml`` entry of ``hw``'s family, with its provenance."""
     c = fit.coefficients
-    entry: dict = {k: _sig(c[k]) for k in (*FITTED, *MEASURED, *CLIENT) if k in c}
+    entry: dict = {k: _sig(c[k]) for k in (*FITTED, *MEASURED, *CLIENT, REFUSED) if k in c}
     entry["activation_reserve_gb"] = float(hw.coefficients.activation_reserve_gb)
     e = hw.engine
     entry["provenance"] = {
@@ -595,6 +612,11 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "no intercept, at least 0 (se: the larger of the fit's and a leave-one-repetition-out jackknife); "
             "the simulator charges that work to the core of engine.client_worker, where kvroute measure pins "
             "the process",
+            "api_refused_request_ms is the CPU time of a worker's process tree per request it answers "
+            "without serving it (POST /v1/chat/completions/render, which vllm-router's cache_aware sends every "
+            "worker before routing a request and plain vLLM refuses), over batches sent to the idle workers "
+            "(probed.refused; se: the larger of the batches' and a leave-one-worker-out jackknife); the "
+            "simulator charges it to every worker's core for each request a policy that asks them routes",
             "activation_reserve_gb is kept from the profile's entry: the cpu profile gives its KV budget directly",
         ],
         "rms_log_error": _sig(fit.rms_log_error()),

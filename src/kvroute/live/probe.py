@@ -37,6 +37,11 @@ repetition is one stretch of time:
   this process spends per request, per prompt token and per streamed token. On the CPU
   build that work runs on a worker's core, beside its engine.
 
+* ``refused`` (the last session only, :func:`refused_probe`): requests each idle worker
+  answers without serving them, as vllm-router's cache_aware asks every worker to render
+  each request before routing it (vLLM refuses); the CPU of the worker's process tree per
+  such request, work that lands on the engine's core.
+
 Every probe (a batch counts as one) waits for the engine's counters to count its
 requests before the next is sent, so each histogram change is that probe's own.
 The workers of a profile are probed side by side (each on its own schedule), as the
@@ -104,6 +109,10 @@ class ProbePlan:
     client_requests: int = 16  # chats per batch
     client_concurrency: int | None = None  # chats in flight (default: every worker's max_num_seqs, a full batch)
     client_kinds: tuple[tuple[int, int], ...] = ((4, 2), (4, 64), (1000, 2))  # (words, tokens out) per batch kind
+    # the refused phase (last session only): requests each worker's API server answers without
+    # serving them, as vllm-router's cache_aware sends every worker before routing (refused_probe)
+    refused_repetitions: int = 4  # batches per worker (0: no refused phase)
+    refused_requests: int = 200  # requests per batch (the process CPU clock ticks every 10 ms)
 
     def __post_init__(self) -> None:
         if self.api_probes < 3 or self.repetitions < 1 or self.sessions < 1:
@@ -118,6 +127,8 @@ class ProbePlan:
                 w < 1 or t < 1 for w, t in self.client_kinds):
             raise ValueError("a probe plan's client phase needs client_repetitions >= 0, client_requests >= 1 and "
                              "positive (words, tokens) kinds")
+        if self.refused_repetitions < 0 or self.refused_requests < 1:
+            raise ValueError("a probe plan's refused phase needs refused_repetitions >= 0 and refused_requests >= 1")
 
     def batches(self, max_num_seqs: int) -> tuple[int, ...]:
         b = self.decode_batches or tuple(range(1, max_num_seqs + 1))
@@ -442,6 +453,71 @@ def client_probe(engines, hw, plan: ProbePlan, nonce: str = "") -> list[dict]:
     return rows
 
 
+#: what vllm-router's cache_aware asks every worker before it routes a request (its render
+#: step); plain vLLM refuses it (403) unless started with --enable-scale-out (docs/live.md)
+REFUSED_PATH = "/v1/chat/completions/render"
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and every live descendant."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def refused_probe(engines, model: str, plan: ProbePlan, words: int = 150) -> list[dict]:
+    """The refused phase: the CPU a worker spends answering a request it does not serve.
+
+    vllm-router's cache_aware posts every request to every worker's
+    ``/v1/chat/completions/render`` before routing it; vLLM refuses (403) without
+    ``--enable-scale-out``, yet each refusal is work on that worker's core, where its engine
+    runs. Per repetition and worker (idle), ``plan.refused_requests`` such posts one after
+    another (a chat of ``words`` words, as the router forwards the request); a row with the
+    HTTP statuses, wall seconds and ``cpu_ms``, the CPU time of the worker's whole process
+    tree over the batch. :func:`kvroute.probefit.refused_cost` takes the mean per request.
+    """
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": " ".join(["probe"] * words)}],
+                       "max_tokens": 8, "stream": True}).encode()
+
+    def post(url: str) -> int:
+        req = urllib.request.Request(url + REFUSED_PATH, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                r.read()
+                return r.status
+        except urllib.error.HTTPError as e:
+            e.read()
+            return e.code
+        except OSError:
+            return 0
+
+    rows = []
+    for rep in range(plan.refused_repetitions):
+        for name, url, pid in zip(engines.names, engines.urls, engines.pids):
+            post(url)  # the connection and the route's first call
+            c0, t0 = _tree_cpu_s(pid), time.perf_counter()
+            codes = [post(url) for _ in range(plan.refused_requests)]
+            c1, t1 = _tree_cpu_s(pid), time.perf_counter()
+            rows.append({"worker": name, "rep": rep, "calls": len(codes),
+                         "statuses": {str(c): codes.count(c) for c in sorted(set(codes))},
+                         "errors": sum(1 for c in codes if c == 0 or c >= 500),
+                         "wall_s": round(t1 - t0, 4), "cpu_ms": round((c1 - c0) * 1e3, 3)})
+    return rows
+
+
 def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = None,
               model_dir=None, python: str | None = None) -> tuple[list[ProbeRequest], dict]:
     """Start ``hw``'s engines (only ours, on 127.0.0.1), probe them with ``plan``, stop them;
@@ -469,6 +545,8 @@ def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = 
             t1 = time.monotonic()
             requests += asyncio.run(probe_workers(eng.names, eng.urls, served_model_name(hw), plan,
                                                   hw.engine.max_num_seqs, session=session))
+            if session == plan.sessions - 1 and plan.refused_repetitions:
+                facts["refused"] = refused_probe(eng, served_model_name(hw), plan)
             if session == plan.sessions - 1 and plan.client_repetitions:
                 # pinned as kvroute measure pins its client (engine.client_worker), on fresh caches
                 eng.reset_prefix_cache()

@@ -169,6 +169,10 @@ class Policy(ABC):
     #: request finishes (True: vllm-router 0.1.17's tree), so requests routed while it is in
     #: flight do not see its prefix; the simulator and the gateway both honour it
     index_on_finish: ClassVar[bool] = False
+    #: whether the router first sends each request to every worker (vllm-router's cache_aware
+    #: asks each to render it; vLLM refuses): work on every worker, which the simulator charges
+    #: to each worker's core where the API server shares it (``api_refused_request_ms``)
+    asks_every_worker: ClassVar[bool] = False
 
     def __init__(self, rng: np.random.Generator, **kwargs: object) -> None:
         self.rng = rng

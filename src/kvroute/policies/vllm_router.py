@@ -66,10 +66,17 @@ class VllmCacheAwarePolicy(PrefixApproxPolicy):
     workers and then each stays where it began, which is what note 2's CPU rerun measured
     (imbalance near 0, the sticky policies' hit rate), where a tree updated at routing
     piles them on one worker.
+
+    Before routing, vllm-router posts each request to every worker's
+    ``/v1/chat/completions/render``. vLLM refuses it (403 without ``--enable-scale-out``),
+    and routing goes on, but each refusal is work on that worker (``asks_every_worker``: the
+    simulator charges the probe-measured ``api_refused_request_ms`` to every worker's core,
+    where its API server shares the engine's, as on the CPU build).
     """
 
     name: ClassVar[str] = "vllm_cache_aware"
     index_on_finish: ClassVar[bool] = True
+    asks_every_worker: ClassVar[bool] = True  # POST /v1/chat/completions/render to each (docs/live.md)
     params: ClassVar[dict[str, tuple[type, object]]] = {
         "cache_threshold": (float, 0.3),
         "balance_abs_threshold": (int, 64),
@@ -90,6 +97,7 @@ class SglangCacheAwarePolicy(VllmCacheAwarePolicy):
 
     name: ClassVar[str] = "sglang_cache_aware"
     index_on_finish: ClassVar[bool] = False
+    asks_every_worker: ClassVar[bool] = False
 
 
 class ConsistentHashPolicy(StickyPolicy):

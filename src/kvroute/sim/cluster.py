@@ -61,8 +61,7 @@ class WorkerDriver:
                 self._set_busy(False)
                 self._wake = env.event()
                 yield self._wake
-                if self.index == self.cluster.client_core:  # the client's work meanwhile ran on an idle core
-                    self.cluster.client_debt_s = 0.0
+                self.cluster.core_debt_s[self.index] = 0.0  # work owed meanwhile ran on an idle core
                 continue
             if not self.busy:
                 self._set_busy(True)
@@ -89,14 +88,14 @@ class WorkerDriver:
                     rest = start + ends[steps - 1] - env.now
                     if rest > 0:
                         yield env.timeout(rest)
-            # the client shares this engine's core: its work since the run began (and during
-            # that work) delays the run, as if the run had started that much later
+            # work owed by this engine's core (the client's, refused requests') since the run
+            # began (and during that work) delays the run, as if it had started that much later
             charged = 0.0
-            if self.index == self.cluster.client_core:
-                while self.cluster.client_debt_s > 1e-9:
-                    debt, self.cluster.client_debt_s = self.cluster.client_debt_s, 0.0
-                    charged += debt
-                    yield env.timeout(debt)
+            debts = self.cluster.core_debt_s
+            while debts[self.index] > 1e-9:
+                debt, debts[self.index] = debts[self.index], 0.0
+                charged += debt
+                yield env.timeout(debt)
             first, finished = eng.commit(plan, steps, start + charged)
             if self.cluster.client_core is not None:
                 # tokens streamed to the client: one per sequence and step of a decode run; in a
@@ -406,7 +405,13 @@ class SimCluster:
         # compute), so that engine loses exactly that time while it is busy; on an idle core
         # the work costs no engine anything. Charged as a debt the engine pays at its run's end.
         self.client_core: int | None = None
-        self.client_debt_s = 0.0
+        #: per worker: CPU seconds other work owes that worker's core, paid by its engine at its
+        #: run's end (the client's, and the refused requests of a policy that asks every worker)
+        self.core_debt_s = [0.0] * len(self.workers)
+        #: a request a policy sends every worker before routing (vllm-router's render, refused):
+        #: each worker's CPU for it, where the probes measured one (0: nothing to charge)
+        self._refused_s = (c.api_refused_request_ms * 1e-3
+                           if self.policy.asks_every_worker and self.api_shares_core else 0.0)
         self._client_token_s = c.client_cpu_per_token_ms * 1e-3
         if hw.engine.client_worker is not None and (c.client_cpu_per_request_ms > 0 or self._client_token_s > 0
                                                     or c.client_cpu_per_prompt_token_ms > 0):
@@ -414,7 +419,7 @@ class SimCluster:
 
     def client_streamed(self, tokens: int) -> None:
         """``tokens`` streamed back through the client: their CPU, owed by the client's core."""
-        self.client_debt_s += tokens * self._client_token_s
+        self.core_debt_s[self.client_core] += tokens * self._client_token_s
 
     # -- device sharing -----------------------------------------------------------
     def device_load_changed(self, driver: WorkerDriver) -> None:
@@ -473,6 +478,9 @@ class SimCluster:
         hashes = stream.chain(prompt + output)
         bs = self.hw.engine.block_size
         req = RouteRequest(f"r{rid}", conv.id, turn, prompt, hashes[: prompt // bs])
+        if self._refused_s:  # asked of every worker first, answered on each one's core
+            for j in range(len(self.core_debt_s)):
+                self.core_debt_s[j] += self._refused_s
         worker = self.policy.choose(req, self.view)
         self.view.forget_request()
         i = self.worker_index[worker]
@@ -494,7 +502,7 @@ class SimCluster:
         self.pending[rid] = Pending(conv, turn, i, env.now, done, later, uncached)
         ereq = EngineRequest(rid, prompt, output, hashes)
         if self.client_core is not None:  # routing and sending it
-            self.client_debt_s += self.coefficients.client_request_s(prompt)
+            self.core_debt_s[self.client_core] += self.coefficients.client_request_s(prompt)
         work = self.coefficients.api_work_s(self.api_delay_s[index][turn], prompt)
         if not self.api_shares_core:
             env.timeout(work).callbacks.append(lambda _ev: self._deliver(i, ereq))  # cheaper than a process
