@@ -326,3 +326,30 @@ def test_pinned_process_confines_every_thread_and_gives_each_its_own_back():
         stop.set()
     with pinned_process([]) as cpus:  # nothing to pin to: nothing changes
         assert cpus == [] and _thread_cpus()[threading.get_native_id()] == before[threading.get_native_id()]
+
+
+def test_kv_event_ports_are_never_the_workers_http_ports(tmp_path, monkeypatch):
+    """The kernel may offer a just-released port again: a KV-event port equal to a worker's
+    HTTP port once left `kvroute measure --kv-events` waiting for ever. The kernel's choice
+    is replayed here (a socket whose bind(0) yields the ports listed, the first a repeat)."""
+    import kvroute.live.engines as engines
+
+    offered = iter([9002, 9001, 9003, 9004])
+
+    class Replayed:
+        def __init__(self, *_args):
+            self.port = None
+
+        def bind(self, _addr):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(engines.socket, "socket", Replayed)
+    specs = plan_workers(load_hardware("cpu"), "emulator", run_dir=tmp_path, ports=[9001, 9002], kv_events=True)
+    assert [s.kv_events for s in specs] == ["tcp://127.0.0.1:9003", "tcp://127.0.0.1:9004"]
+    assert engines.free_ports(0) == []

@@ -52,7 +52,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -431,15 +431,21 @@ def resolve_model_dir(hw: Hardware, kind: str, model_dir: str | os.PathLike | No
     return snap
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports free right now (bound together, then released)."""
-    socks = []
+def free_ports(n: int, host: str = "127.0.0.1", exclude: Iterable[int] = ()) -> list[int]:
+    """``n`` distinct ports free right now (bound together, then released), none of
+    ``exclude``: ports already handed out for something not yet listening (the kernel may
+    offer a released port again)."""
+    exclude = set(exclude)
+    socks, out = [], []
     try:
-        for _ in range(n):
+        while len(out) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            port = s.getsockname()[1]
+            if port not in exclude:
+                out.append(port)
+        return out
     finally:
         for s in socks:
             s.close()
@@ -478,7 +484,9 @@ def plan_workers(
         raise EngineError(f"hardware {hw.name!r} has {hw.workers} workers but {len(ports)} ports were given")
     run_dir = Path(run_dir).resolve()
     specs = []
-    kv = [f"tcp://127.0.0.1:{p}" for p in free_ports(hw.workers)] if kv_events else [None] * hw.workers
+    # never an HTTP port: those were released and are not yet listening (a worker whose KV
+    # events took its own HTTP port once left `kvroute measure --kv-events` waiting for ever)
+    kv = [f"tcp://127.0.0.1:{p}" for p in free_ports(hw.workers, exclude=ports)] if kv_events else [None] * hw.workers
 
     def kv_args(i: int) -> list[str]:
         return ["--kv-events-config", kv_events_config(kv[i], kv_topic(hw.worker_names[i]))] if kv[i] else []
