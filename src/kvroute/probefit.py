@@ -511,11 +511,13 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
         pt = np.asarray(s.per_token)
         measured["api_per_token_ms"] = {"value": float(np.median(pt)), "se": bootstrap_se(pt, np.median),
                                         "dof": pt.size - 1.0}
-    client = client_costs((probed or {}).get("client") or []) | refused_cost((probed or {}).get("refused") or [])
-    measured |= client
-    coefficients = coef | {k: est[k] for k in MEASURED} | {k: v["value"] for k, v in client.items()}
-    errors = {k: se[k] for k in (*FITTED, *MEASURED)} | {k: v["se"] for k, v in client.items()}
-    dof |= {k: v["dof"] for k, v in client.items()}
+    # what the client and the refused requests cost (phases of the probe's last session)
+    facts = probed or {}
+    cpu_costs = client_costs(facts.get("client") or []) | refused_cost(facts.get("refused") or [])
+    measured |= cpu_costs
+    coefficients = coef | {k: est[k] for k in MEASURED} | {k: v["value"] for k, v in cpu_costs.items()}
+    errors = {k: se[k] for k in (*FITTED, *MEASURED)} | {k: v["se"] for k, v in cpu_costs.items()}
+    dof |= {k: v["dof"] for k, v in cpu_costs.items()}
     info = dict(probed or {})
     info["usable"] = {"api": len(s.api), "api_busy": len(s.busy), "prefill": sum(len(v) for v in s.prefill.values()),
                       "decode_batches": sum(len(v) for v in s.decode.values()),
@@ -538,7 +540,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     info["without_process"] = {f"session {s_} {w}": {k: _sig(v) for k, v in e.items()}
                            for (s_, w), e in zip(workers, per_worker)} if len(per_worker) == len(workers) else {}
     return ProbeFit(hw.name, hw.coefficients_name, coefficients, errors, obs, predicted, s.rows, measured, info,
-                    {k: dof[k] for k in (*FITTED, *MEASURED, *client)})
+                    {k: dof[k] for k in (*FITTED, *MEASURED, *cpu_costs)})
 
 
 def interval95(se: float, dof: float) -> float:

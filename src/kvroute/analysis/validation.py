@@ -143,7 +143,8 @@ def _predicted(sim: pd.DataFrame, exp: str, hw: str, policy: str, metric: str) -
     return float(s[metric].mean()) if len(s) and metric in s else float("nan")
 
 
-def _is_pattern(experiment: str) -> bool:
+def is_experiment_pattern(experiment: str) -> bool:
+    """Whether a published figure's ``experiment`` is a glob (:func:`reported_experiment_matches`)."""
     return any(c in experiment for c in "*?[")
 
 
@@ -176,7 +177,7 @@ def published_rows(
         return pd.DataFrame(columns=list(COLUMNS))
     rows = []
     for r in reported[reported["metric"].notna()].itertuples(index=False):
-        if _is_pattern(r.experiment):
+        if is_experiment_pattern(r.experiment):
             swept = sim["load_param"].notna() if "load_param" in sim else pd.Series(False, index=sim.index)
             on_hw = sim.loc[(sim["hardware"] == r.hardware) & ~swept, "experiment"].unique()
             exps = sorted(e for e in on_hw if reported_experiment_matches(r.experiment, e, r.note))
