@@ -25,7 +25,7 @@ from kvroute.cli import main
 from kvroute.experiment import ExperimentError, Run, format_load, load_experiment
 from kvroute.pipeline import load_slug
 from kvroute.records import REQUEST_COLUMNS, write_csv
-from kvroute.sim.run import load_trace
+from kvroute.sim.run import DRAWN_FOR, load_trace
 from kvroute.workload import read_trace
 
 OPEN = {
@@ -185,36 +185,41 @@ def test_workload_writes_each_load_and_needs_one(tmp_path):
         out = tmp_path / f"load{v}/round1.parquet"
         res = _run("workload", path, "--round", 1, "--load", v, "--out", out)
         assert res.exit_code == 0, res.output
-        assert read_trace(out) == load_trace(load_experiment(path), 1, float(v))
+        written, drawn = read_trace(out), load_trace(load_experiment(path), 1, float(v))
+        assert written.conversations == drawn.conversations
+        assert written.meta.pop(DRAWN_FOR) == {"experiment": "open-sweep", "round": 1, "load": float(v)}
+        assert written.meta == drawn.meta
     res = _run("workload", _write(tmp_path, _with(OPEN, load=None), "plain.yaml"), "--round", 0, "--load", 2, "--out", tmp_path / "p.parquet")
     assert res.exit_code != 0 and "no load axis" in res.output
 
 
 def test_simulate_merge_carry_the_load(tmp_path):
     """The workflow's path by hand: a workload per (load, round), a simulate job per
-    (load, policy, round) from it, and one merge; records and summaries carry the load."""
+    policy replaying all of them, and one merge; records and summaries carry the load."""
     path = _write(tmp_path, OPEN)
     exp = load_experiment(path)
+    traces = []
+    for v in exp.load.values:
+        for r in range(exp.rounds):
+            trace = tmp_path / f"workload/load{format_load(v)}/round{r}.parquet"
+            assert _run("workload", path, "--round", r, "--load", format_load(v), "--out", trace).exit_code == 0
+            traces.append(trace)
     dirs = []
-    for run in exp.expand():
-        v = format_load(run.load)
-        trace = tmp_path / f"workload/load{v}/round{run.round}.parquet"
-        if not trace.exists():
-            assert _run("workload", path, "--round", run.round, "--load", v, "--out", trace).exit_code == 0
-        d = tmp_path / f"sim/{run.policy}/load{v}/round{run.round}"
-        res = _run("simulate", path, "--trace", trace, "--policy", run.policy, "--round", run.round, "--load", v, "--out", d)
+    for policy in sorted({run.policy for run in exp.expand()}):
+        d = tmp_path / f"sim/{policy}"
+        res = _run("simulate", path, *[x for t in traces for x in ("--trace", t)], "--policy", policy, "--out", d)
         assert res.exit_code == 0, res.output
         dirs.append(d)
-    # one job equals simulating that load of the experiment without the trace file
-    direct = _run("simulate", path, "--policy", "kv_aware", "--round", 1, "--load", "2.5", "--out", tmp_path / "direct")
+    # one job equals simulating every load of the experiment without the trace files
+    direct = _run("simulate", path, "--policy", "kv_aware", "--out", tmp_path / "direct")
     assert direct.exit_code == 0, direct.output
-    assert _sha(tmp_path / "direct/requests.parquet") == _sha(tmp_path / "sim/kv_aware/load2.5/round1/requests.parquet")
+    assert _sha(tmp_path / "direct/requests.parquet") == _sha(tmp_path / "sim/kv_aware/requests.parquet")
 
     res = _run("merge", "--out", tmp_path / "merged", *reversed(dirs))
     assert res.exit_code == 0, res.output
     summary = pd.read_csv(tmp_path / "merged/summary.csv")
     assert list(summary.columns[:6]) == ["experiment", "hardware", "policy", "round", "load_param", "load"]
-    assert len(summary) == len(dirs) and set(summary["load_param"]) == {"rate_per_s"}
+    assert len(summary) == len(exp.expand()) and set(summary["load_param"]) == {"rate_per_s"}
     keys = list(summary[["policy", "load", "round"]].itertuples(index=False, name=None))
     assert keys == [(p, v, r) for p in ("kv_aware", "round_robin") for v in (1.0, 2.5, 8.0) for r in (0, 1)]
     table = pq.read_table(tmp_path / "merged/requests.parquet")

@@ -44,6 +44,7 @@ from kvroute.experiment import ExperimentError, load_experiment
 from kvroute.hardware import load_hardware
 from kvroute.policies import POLICY_NAMES, make_policy
 from kvroute.sim.cluster import SimCluster
+from kvroute.sim.run import DRAWN_FOR
 from kvroute.workload import ChecksumMismatch, load_dataset, read_trace, write_trace
 from kvroute.workload import mooncake as mc
 from kvroute.workload.mooncake import Request
@@ -426,6 +427,7 @@ def test_workload_and_simulate_cli(tmp_path):
                                "--dataset", str(fetched)])
     assert out.exit_code == 0, out.output
     trace = read_trace(tmp_path / "w.parquet")
+    assert trace.meta.pop(DRAWN_FOR)["round"] == 0  # which round the workflow drew it for
     assert trace == load_dataset("mooncake", None, name="synthetic", duration_s=20, speedup=2.0)
     out = runner.invoke(main, ["simulate", str(exp), "--trace", str(tmp_path / "w.parquet"), "--out", str(tmp_path / "s")])
     assert out.exit_code == 0, out.output

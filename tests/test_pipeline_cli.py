@@ -17,8 +17,8 @@ from kvroute.cli import main
 from kvroute.experiment import load_experiment
 from kvroute.pipeline import config_errors, policy_slug
 from kvroute.records import requests_table, write_requests
-from kvroute.sim.run import load_trace
-from kvroute.workload import read_trace
+from kvroute.sim.run import DRAWN_FOR, load_trace, stamp_trace
+from kvroute.workload import read_trace, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,8 +82,9 @@ def test_workload_writes_the_round_trace(exp, tmp_path):
     out = tmp_path / "w/round1.parquet"
     res = _run("workload", exp, "--round", 1, "--out", out)
     assert res.exit_code == 0, res.output
-    assert read_trace(out) == load_trace(load_experiment(exp), 1)
-    assert read_trace(out) != load_trace(load_experiment(exp), 0)
+    assert read_trace(out) == stamp_trace(load_trace(load_experiment(exp), 1), "tiny", 1, None)
+    assert read_trace(out).meta[DRAWN_FOR] == {"experiment": "tiny", "round": 1, "load": None}
+    assert read_trace(out).conversations != load_trace(load_experiment(exp), 0).conversations
     assert not list(out.parent.glob(".*.tmp"))  # nothing left from the atomic write
 
 
@@ -101,15 +102,66 @@ def test_simulate_from_a_trace_equals_simulating_from_the_experiment(exp, tmp_pa
     b = _run("simulate", exp, "--out", tmp_path / "b", *common)
     assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
     assert _sha(tmp_path / "a/requests.parquet") == _sha(tmp_path / "b/requests.parquet")
-    assert json.loads((tmp_path / "a/run.json").read_text())["trace"] == str(trace)
+    assert json.loads((tmp_path / "a/run.json").read_text())["trace"] == [str(trace)]
 
 
-def test_simulate_trace_needs_one_round(exp, tmp_path):
-    trace = tmp_path / "round0.parquet"
-    assert _run("workload", exp, "--round", 0, "--out", trace).exit_code == 0
-    res = _run("simulate", exp, "--trace", trace, "--out", tmp_path / "o")
+def _round_traces(exp: Path, folder: Path) -> list[Path]:
+    paths = [folder / f"round{r}.parquet" for r in range(TINY["rounds"])]
+    for r, path in enumerate(paths):
+        assert _run("workload", exp, "--round", r, "--out", path).exit_code == 0
+    return paths
+
+
+def test_one_simulation_replays_every_rounds_trace_as_if_it_drew_them(exp, tmp_path):
+    """The workflow's simulate job: one policy, every round from its own trace file (given
+    in any order), the same records as drawing each round's workload."""
+    paths = _round_traces(exp, tmp_path)
+    common = ["--hardware", "a6000x4", "--policy", "round_robin"]
+    a = _run("simulate", exp, *[x for p in reversed(paths) for x in ("--trace", p)], "--out", tmp_path / "a", *common)
+    b = _run("simulate", exp, "--out", tmp_path / "b", *common)
+    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
+    assert _sha(tmp_path / "a/requests.parquet") == _sha(tmp_path / "b/requests.parquet")
+    assert sorted(pd.read_csv(tmp_path / "a/summary.csv")["round"]) == [0, 1]
+
+
+@pytest.mark.parametrize("case, said", [
+    ("missing", "no --trace for round 1"),
+    ("twice", "two traces are round 0"),
+    ("unasked", "round 1, which none of the runs simulates"),
+    ("other", "drawn for experiment 'tiny', not 'other'"),
+    ("unstamped", "does not record the round and load"),
+])
+def test_replayed_traces_must_be_the_runs_rounds_once_each(exp, tmp_path, case, said):
+    paths = _round_traces(exp, tmp_path)
+    target, args = exp, []
+    if case == "missing":
+        args = ["--trace", paths[0]]
+    elif case == "twice":
+        args = ["--trace", paths[0], "--trace", paths[0], "--trace", paths[1]]
+    elif case == "unasked":
+        args = ["--trace", paths[0], "--trace", paths[1], "--round", 0]
+    elif case == "other":
+        target = tmp_path / "other.yaml"
+        target.write_text(yaml.safe_dump({**TINY, "name": "other"}))
+        args = ["--trace", paths[0], "--trace", paths[1]]
+    else:
+        bare = write_trace(load_trace(load_experiment(exp), 1), tmp_path / "bare.parquet")
+        args = ["--trace", paths[0], "--trace", bare]
+    res = _run("simulate", target, *args, "--out", tmp_path / "o", "--policy", "round_robin")
+    assert res.exit_code != 0 and said in res.output, res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_unstamped_trace_replays_one_round(exp, tmp_path):
+    """A trace written before traces recorded their round still replays, for one round."""
+    bare = write_trace(load_trace(load_experiment(exp), 1), tmp_path / "bare.parquet")
+    res = _run("simulate", exp, "--trace", bare, "--out", tmp_path / "o")
     assert res.exit_code != 0 and "--round" in res.output
     assert not (tmp_path / "o").exists()
+    res = _run("simulate", exp, "--trace", bare, "--round", 1, "--out", tmp_path / "a", "--policy", "round_robin")
+    ref = _run("simulate", exp, "--round", 1, "--out", tmp_path / "b", "--policy", "round_robin")
+    assert res.exit_code == 0 and ref.exit_code == 0, res.output + ref.output
+    assert _sha(tmp_path / "a/requests.parquet") == _sha(tmp_path / "b/requests.parquet")
 
 
 # ------------------------------------------------------------------ merge

@@ -1,8 +1,8 @@
 """The Snakemake workflow, by dry runs on a copy of the repository (no job runs here).
 
 What is shown: a bad config fails naming its key before any job runs; `--lint` is
-clean; `paper` schedules one simulate job per experiment x hardware x policy x round
-(counted from the config and the experiment files); the slurm profile dry-runs without
+clean; `paper` schedules one simulate job per experiment x hardware x policy, which
+replays every round's (and load's) trace (counted from the config and the experiment files); the slurm profile dry-runs without
 a cluster; measurement rules exist only when enabled; and the workflow is incremental.
 
 Incremental runs are shown with Snakemake's `mtime` rerun trigger alone: the test
@@ -126,13 +126,18 @@ def dry_run(repo: Path, capfd, **kw) -> tuple[Counter, str]:
     return _job_stats(text), text
 
 
+def sim_jobs(exp) -> int:
+    """An experiment's simulate jobs: one per hardware and policy, running every round and load."""
+    return len({(r.hardware, r.policy) for r in exp.expand()})
+
+
 def expected_fresh_jobs(repo: Path) -> Counter:
     """What `paper` must schedule from nothing, counted from the config and experiment files."""
     cfg = _config(repo)
     exps = [load_experiment(repo / f"config/experiments/{name}.yaml") for name in cfg["experiments"]]
     jobs = Counter(
         workload=sum(e.rounds * len(e.loads()) for e in exps),
-        simulate=sum(len(e.expand()) for e in exps),
+        simulate=sum(sim_jobs(e) for e in exps),
         merge=len(exps),
         arithmetic=int(any("tn4-arithmetic" in a.get("sim", []) for a in cfg["analyses"])),
         manifest=1,
@@ -188,7 +193,7 @@ def test_lint_is_clean(repo, capfd):
 # ------------------------------------------------------------------ job counts
 
 
-def test_paper_schedules_one_simulate_job_per_run(repo, capfd):
+def test_paper_schedules_one_simulate_job_per_hardware_and_policy(repo, capfd):
     counts, text = dry_run(repo, capfd)
     assert counts == expected_fresh_jobs(repo), text[-3000:]
     assert counts["simulate"] >= len(_config(repo)["experiments"]) > 0
@@ -216,14 +221,15 @@ def test_measure_rules_only_when_enabled(repo, capfd, tmp_path):
 
 
 def test_field_builds_the_field_experiments_and_paper_does_not(repo, capfd):
-    """`make field`: one simulate job per run of each field experiment, their merges and the
-    whole-trace table; `paper` (test_paper_schedules_one_simulate_job_per_run) counts
+    """`make field`: one simulate job per hardware and policy of each field experiment,
+    their merges and the whole-trace table; `paper`
+    (test_paper_schedules_one_simulate_job_per_hardware_and_policy) counts
     none of them."""
     cfg = _config(repo)
     assert cfg["field_experiments"]
     exps = [load_experiment(repo / f"config/experiments/{n}.yaml") for n in cfg["field_experiments"]]
     counts, _ = dry_run(repo, capfd, targets=("field",))
-    assert counts["simulate"] == sum(len(e.expand()) for e in exps)
+    assert counts["simulate"] == sum(sim_jobs(e) for e in exps)
     assert counts["merge"] == len(exps) and counts["field_whole_traces"] == 1
     assert counts["workload"] == sum(e.rounds * len(e.loads()) for e in exps)
     assert not {"note", "analyse_field", "validate", "measure_cpu"} & set(counts)
@@ -277,7 +283,7 @@ def test_a_dataset_workload_is_fetched_first(repo, capfd, tmp_path):
     assert len(ours) == 1, text[-3000:]
     assert "--dataset results/data/mooncake/conversation_trace.jsonl" in ours[0].split("\n\n", 1)[0]
     mine = load_experiment(repo / "config/experiments/mooncake-conversation.yaml")
-    assert counts["simulate"] == expected_fresh_jobs(repo)["simulate"] + len(mine.expand())
+    assert counts["simulate"] == expected_fresh_jobs(repo)["simulate"] + sim_jobs(mine)
 
 
 LOAD_EXPERIMENT = {
@@ -290,23 +296,28 @@ LOAD_EXPERIMENT = {
 }
 
 
-def test_a_load_axis_is_one_workload_and_simulate_job_per_load(tmp_path, capfd):
+def test_a_load_axis_is_one_workload_per_load_replayed_by_each_policys_job(tmp_path, capfd):
     repo = _make_repo(tmp_path / "repo")
     (repo / "config/experiments/load-axis.yaml").write_text(yaml.safe_dump(LOAD_EXPERIMENT))
     overlay = tmp_path / "load.yaml"
     overlay.write_text(yaml.safe_dump({"experiments": [*_config(repo)["experiments"], "load-axis"]}))
     target = "results/sim/load-axis/summary.csv"
     counts, text = dry_run(repo, capfd, targets=(target,), configfiles=[repo / "config/config.yaml", overlay], shell=True)
-    assert counts == Counter(workload=2 * 3, simulate=2 * 3 * 2, merge=1), text[-3000:]
+    assert counts == Counter(workload=2 * 3, simulate=2, merge=1), text[-3000:]
     exp = load_experiment(repo / "config/experiments/load-axis.yaml")  # as expected_fresh_jobs counts them
-    assert (counts["workload"], counts["simulate"]) == (exp.rounds * len(exp.loads()), len(exp.expand()))
+    assert (counts["workload"], counts["simulate"]) == (exp.rounds * len(exp.loads()), sim_jobs(exp))
+    jobs = [j.split("\n\n", 1)[0] for j in text.split("rule simulate:")[1:]]
+    assert len(jobs) == 2
+    for job in jobs:  # each policy's job replays every load's and round's trace, and chooses none
+        assert " --round " not in job and " --load " not in job, job
+        for folder in ("load2", "load2.5", "load8"):
+            for r in (0, 1):
+                assert f"--trace results/workload/load-axis/{folder}/round{r}.parquet" in job, job
+    assert "results/sim/load-axis/a6000x4/cost_aware__alpha-0.5/summary.csv" in text
     for load, folder in ((2, "load2"), (2.5, "load2.5"), (8, "load8")):
-        assert f"results/workload/load-axis/{folder}/round1.parquet" in text
-        assert f"results/sim/load-axis/a6000x4/cost_aware__alpha-0.5/{folder}/round0/summary.csv" in text
         assert f"--round 1 --load {folder[4:]} --out results/workload/load-axis/{folder}/round1.parquet" in text
-        assert f"--round 0 --load {folder[4:]} --out results/sim/load-axis/a6000x4/round_robin/{folder}/round0" in text
     merge = re.search(r"kvroute merge --out results/sim/load-axis (.*?) >", text).group(1).split()
-    assert len(merge) == len(set(merge)) == 2 * 3 * 2 and all("/load" in d for d in merge), merge  # every load's jobs
+    assert sorted(merge) == ["results/sim/load-axis/a6000x4/cost_aware__alpha-0.5", "results/sim/load-axis/a6000x4/round_robin"]
     # an experiment without a load axis keeps its layout and commands
     counts, text = dry_run(repo, capfd, targets=("results/sim/note2-6turn/summary.csv",), shell=True)
     assert counts["simulate"] > 0 and not re.search(r" --load |/load\d", text)
@@ -431,7 +442,7 @@ def test_editing_one_policy_reruns_only_its_simulations_and_their_readers(built,
     runs_it = [r for r in jobs if "src/kvroute/policies/kv_aware.py" in policy_sources(r.policy)]
     assert 0 < len(runs_it) < len(jobs)
     counts = _after_editing(built, capfd, "src/kvroute/policies/kv_aware.py")
-    assert counts["simulate"] == len(runs_it)
+    assert counts["simulate"] == len({(r.experiment, r.hardware, r.policy) for r in runs_it})
     assert counts["merge"] == len({r.experiment for r in runs_it})
     assert counts["workload"] == 0 and counts["probe"] == 0
 

@@ -103,26 +103,29 @@ def main(verbose: bool) -> None:
 @click.option("--rounds", type=click.IntRange(min=1), help="Number of rounds (default: the experiment's).")
 @click.option("--round", "round_", type=click.IntRange(min=0), help="Simulate only this round (0-based); one job of a sweep.")
 @click.option("--hardware", help="Run every policy on this hardware profile instead.")
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Replay this trace (from `kvroute workload`) instead of drawing the round's workload again.")
+@click.option("--trace", "traces", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Replay this trace (from `kvroute workload`) instead of drawing the round's workload again. "
+                   "Repeatable: one per round and load the runs cover, each matched by the round and load it records.")
 @click.option("--coefficients", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Coefficients entries (e.g. from `kvroute calibrate --probe`) to use for the hardware family instead of hardware/coefficients.yaml.")
 @click.option("--load", type=float, help=LOAD_HELP.format(verb="Simulate") + " One job of a load sweep.")
 @click.option("--operating-point", "point_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help=POINT_HELP)
 def simulate(experiment: Path, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None, hardware: str | None,
-             trace: Path | None, coefficients: Path | None, load: float | None, point_file: Path | None) -> None:
+             traces: tuple[Path, ...], coefficients: Path | None, load: float | None, point_file: Path | None) -> None:
     """Simulate EXPERIMENT and write OUT/requests.parquet and OUT/summary.csv."""
     from kvroute.sim.run import simulate_experiment
     from kvroute.workload.sharegpt import DownloadError
 
     try:
         exp = load_experiment(experiment)
-        from kvroute.sim.operating_point import read
+        point = None
+        if point_file is not None and not traces:  # a replayed trace was drawn at the point already
+            from kvroute.sim.operating_point import read  # imports scipy.optimize: only when asked
 
-        point = read(point_file, exp) if point_file is not None and trace is None else None
-        summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, trace, coefficients, load,
-                                      point)
+            point = read(point_file, exp)
+        summary = simulate_experiment(exp, out, list(policies) or None, rounds, round_, hardware, list(traces) or None,
+                                      coefficients, load, point)
     except (ExperimentError, ValueError, DownloadError) as exc:  # DownloadError: a dataset failing its checksum
         raise click.ClickException(str(exc)) from exc
     cols = ["hardware", "policy", "round", *_load_cols(summary), "time_to_complete_s", "later_ttft_mean_ms", "hit_rate", "imbalance"]

@@ -1,7 +1,7 @@
 """What the workflow's rules call: per-round traces, merging job outputs, provenance.
 
-The Snakemake workflow (``Snakefile``, ``workflow/rules/*.smk``) runs one job per
-experiment x hardware x policy x round; this module holds the small pieces those rules
+The Snakemake workflow (``Snakefile``, ``workflow/rules/*.smk``) runs one simulate job
+per experiment x hardware x policy (every round and load in one process); this module holds the small pieces those rules
 need beyond ``kvroute simulate``. See docs/pipeline.md for the contract between stages.
 
 Importing this module is cheap (no numpy, pandas or pyarrow at import time) because the
@@ -103,13 +103,15 @@ def write_round_trace(experiment: Path, round_: int, out: Path, load: float | No
     load axis, which an experiment with one needs) to ``out`` (atomically).
 
     The trace is the one ``kvroute simulate`` would draw for that round and load
-    (:func:`kvroute.sim.run.load_trace`), so simulating from it gives the same records.
+    (:func:`kvroute.sim.run.load_trace`), so simulating from it gives the same records;
+    it records the experiment, round and load it was drawn for
+    (:func:`kvroute.sim.run.stamp_trace`), so one simulation can replay several.
     ``dataset``: the file a dataset workload converts (a fetched original; default the
     project's copy), verified by checksum either way. ``point_file``: the experiment's
     operating point (``kvroute operating-point``'s output), which an experiment with one needs.
     """
     from kvroute.experiment import ExperimentError, format_load, load_experiment
-    from kvroute.sim.run import load_trace
+    from kvroute.sim.run import load_trace, stamp_trace
     from kvroute.workload import write_trace
 
     exp = load_experiment(experiment)
@@ -125,7 +127,7 @@ def write_round_trace(experiment: Path, round_: int, out: Path, load: float | No
         from kvroute.sim.operating_point import read
 
         point = read(point_file, exp)
-    return write_trace(load_trace(exp, round_, value, dataset, point), out)
+    return write_trace(stamp_trace(load_trace(exp, round_, value, dataset, point), exp.name, round_, value), out)
 
 
 # ---------------------------------------------------------------------------- merge

@@ -6,9 +6,10 @@
 # Layout of results/ (see docs/pipeline.md, the contract between stages):
 #   data/mooncake/NAME_trace.jsonl                      kvroute fetch (a dataset workload's file)
 #   workload/EXP/[loadV/]roundR.parquet                 kvroute workload
-#   sim/EXP/HW/POLICY_SLUG/[loadV/]roundR/{requests.parquet,summary.csv,run.json}   kvroute simulate
-#     (loadV/: only for an experiment with a load axis, one folder per value; the
+#     (loadV/: only for an experiment with a load axis, one file per value; the
 #     wildcard `loaddir` is "loadV/" there and empty otherwise)
+#   sim/EXP/HW/POLICY_SLUG/{requests.parquet,summary.csv,run.json}   kvroute simulate
+#     (one job per hardware and policy: every round and load of the experiment)
 #   sim/EXP/{requests.parquet,summary.csv}              kvroute merge
 #   sim/tn4-arithmetic/{requests.parquet,summary.csv,predictions.csv}       kvroute arithmetic
 #   measure/EXP/HW/{requests.parquet,summary.csv}       kvroute measure (measure.enabled)
@@ -21,6 +22,7 @@ import functools
 import glob
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -190,7 +192,8 @@ def _sources(*patterns):
     return sorted({p for pat in patterns for p in glob.glob(pat)})
 
 
-WORKLOAD_SOURCES = _sources("src/kvroute/workload/*.py", "src/kvroute/experiment.py")
+# sim/run.py: load_trace draws a round's workload and stamp_trace records which it is
+WORKLOAD_SOURCES = _sources("src/kvroute/workload/*.py", "src/kvroute/experiment.py", "src/kvroute/sim/run.py")
 # A simulation job depends on the simulator and on its own policy's modules only
 # (get_policy_sources), so editing one policy reruns only that policy's simulations.
 SIM_CORE_SOURCES = _sources(
@@ -321,7 +324,9 @@ def get_load_arg(wildcards):
 
 @functools.cache
 def _sim_jobs(name):
-    """{(hardware, policy slug, loaddir, round): policy spec} for every simulation job of experiment ``name``."""
+    """{(hardware, policy slug): (policy spec, ((loaddir, round), ...))} for every simulation
+    job of experiment ``name``: one job per hardware and policy runs every round and load
+    (one process: the start-up of a job costs more than most of this project's runs)."""
     jobs = {}
     # production routers (sglang_router:..., vllm_router:...) are measured, never simulated
     runs = _experiment(name, "experiments").expand()
@@ -330,15 +335,16 @@ def _sim_jobs(name):
             slug = policy_slug(run.policy)
         except ValueError as exc:
             _fail(f"experiment {experiment_file(name)}: {exc}")
-        key = (run.hardware, slug, loaddir_of(run.load), run.round)
-        if key in jobs and jobs[key] != run.policy:
-            _fail(f"experiment {experiment_file(name)}: policies {jobs[key]!r} and {run.policy!r} share the folder name {slug!r}")
-        jobs[key] = run.policy
+        key = (run.hardware, slug)
+        spec, traces = jobs.get(key, (run.policy, ()))
+        if spec != run.policy:
+            _fail(f"experiment {experiment_file(name)}: policies {spec!r} and {run.policy!r} share the folder name {slug!r}")
+        jobs[key] = (spec, (*traces, (loaddir_of(run.load), run.round)))
     return jobs
 
 
-def sim_job_dir(exp, hardware, slug, loaddir, round_):
-    return f"{RESULTS}/sim/{exp}/{hardware}/{slug}/{loaddir}round{round_}"
+def sim_job_dir(exp, hardware, slug):
+    return f"{RESULTS}/sim/{exp}/{hardware}/{slug}"
 
 
 def get_sim_job_count(name=None):
@@ -347,13 +353,24 @@ def get_sim_job_count(name=None):
     return sum(len(_sim_jobs(n)) for n in names)
 
 
-def get_policy_spec(wildcards):
-    key = (wildcards.hardware, wildcards.policy, wildcards.loaddir, int(wildcards.round))
+def _sim_job(wildcards):
     try:
-        return _sim_jobs(wildcards.exp)[key]
+        return _sim_jobs(wildcards.exp)[(wildcards.hardware, wildcards.policy)]
     except KeyError:
-        at = f", {key[2][:-1]}" if key[2] else ""
-        raise WorkflowError(f"experiment {wildcards.exp} has no job for hardware {key[0]}, policy {key[1]}{at}, round {key[3]}")
+        raise WorkflowError(f"experiment {wildcards.exp} has no job for hardware {wildcards.hardware}, policy {wildcards.policy}")
+
+
+def get_policy_spec(wildcards):
+    return _sim_job(wildcards)[0]
+
+
+def get_sim_traces(wildcards):
+    """The workloads simulate job ``wildcards`` replays: its runs' every (load, round)."""
+    return [f"{RESULTS}/workload/{wildcards.exp}/{loaddir}round{round_}.parquet" for loaddir, round_ in _sim_job(wildcards)[1]]
+
+
+def get_sim_traces_arg(wildcards, input):
+    return " ".join(f"--trace {shlex.quote(t)}" for t in input.traces)
 
 
 def get_policy_sources(wildcards):

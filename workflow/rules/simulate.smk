@@ -1,6 +1,8 @@
-# Stage 2, simulate: one job per experiment x hardware x policy x round (x load, on a load
-# axis) (so --cores N and a cluster run them in parallel), one merge per experiment of all
-# its jobs, and technical note 4's sweep.
+# Stage 2, simulate: one job per experiment x hardware x policy, running every round (and
+# load, on a load axis) from the workload jobs' traces in one process (so --cores N and a
+# cluster run policies in parallel; a job per round paid Python's start-up 315 times for
+# runs most of which take under a second), one merge per experiment of all its jobs, and
+# technical note 4's sweep.
 # Inputs include the simulator's source files: editing the simulator reruns simulations,
 # editing a notebook or a note does not.
 
@@ -8,29 +10,29 @@
 rule simulate:
     input:
         experiment="config/experiments/{exp}.yaml",
-        trace=rules.workload.output.trace,
+        traces=get_sim_traces,  # every round (and load) of the experiment: one process runs them all
         hardware=get_hardware_files,
         coefficients=get_sim_coefficients,  # the probe calibration of measured CPU hardware (measure.probe)
         sources=SIM_CORE_SOURCES,
         policy_sources=get_policy_sources,  # this policy's modules, not every policy's
     output:
-        requests="results/sim/{exp}/{hardware}/{policy}/{loaddir}round{round}/requests.parquet",
-        summary="results/sim/{exp}/{hardware}/{policy}/{loaddir}round{round}/summary.csv",
-        meta="results/sim/{exp}/{hardware}/{policy}/{loaddir}round{round}/run.json",
+        requests="results/sim/{exp}/{hardware}/{policy}/requests.parquet",
+        summary="results/sim/{exp}/{hardware}/{policy}/summary.csv",
+        meta="results/sim/{exp}/{hardware}/{policy}/run.json",
     params:
         spec=get_policy_spec,
         out=output_dir("requests"),
         coefficients=get_sim_coefficients_arg,
-        load=get_load_arg,
+        traces=get_sim_traces_arg,
     log:
-        "results/logs/simulate/{exp}/{hardware}/{policy}/{loaddir}round{round}.log",
+        "results/logs/simulate/{exp}/{hardware}/{policy}.log",
     benchmark:
-        "results/benchmarks/simulate/{exp}/{hardware}/{policy}/{loaddir}round{round}.tsv"
+        "results/benchmarks/simulate/{exp}/{hardware}/{policy}.tsv"
     conda:
         "../../envs/simulation.yaml"
     shell:
-        "kvroute simulate {input.experiment:q} --trace {input.trace:q} --hardware {wildcards.hardware:q}"
-        " --policy {params.spec:q} --round {wildcards.round} {params.load} --out {params.out:q} {params.coefficients} > {log:q} 2>&1"
+        "kvroute simulate {input.experiment:q} {params.traces} --hardware {wildcards.hardware:q}"
+        " --policy {params.spec:q} --out {params.out:q} {params.coefficients} > {log:q} 2>&1"
 
 
 rule merge:

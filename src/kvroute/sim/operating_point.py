@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scipy.optimize import brentq
-
 from kvroute.experiment import Experiment, ExperimentError, Run
 
 log = logging.getLogger(__name__)
@@ -102,6 +100,8 @@ def find(exp: Experiment, coefficients: Path | None = None) -> dict[str, Any]:
     Raises ExperimentError when the target is outside what the bounds reach (naming the
     metric at both bounds), so an unreachable operating point is never silently clamped.
     """
+    from scipy.optimize import brentq  # here, not at the top: every experiment with a point imports this module
+
     spec = exp.operating_point
     if spec is None:
         raise ExperimentError(f"{exp.path}: the experiment has no operating_point key")

@@ -31,6 +31,8 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +179,60 @@ def _progress_disabled() -> bool:
     return bool(os.environ.get("CI")) or not sys.stderr.isatty()
 
 
+DRAWN_FOR = "drawn_for"
+"""The key of a trace's ``meta`` that says which experiment, round and load
+``kvroute workload`` drew it for (:func:`stamp_trace`)."""
+
+
+def stamp_trace(trace: Trace, experiment: str, round_: int, load: float | None) -> Trace:
+    """``trace`` recording that it is ``experiment``'s round ``round_`` at ``load``, so a
+    simulation replaying several traces gives each run its own."""
+    return replace(trace, meta={**trace.meta, DRAWN_FOR: {"experiment": experiment, "round": round_, "load": load}})
+
+
+def replayed_traces(exp: Experiment, runs: list[Run], paths: list[Path]) -> dict[tuple, Trace]:
+    """The trace files to replay, by the (round, load) of the runs each serves.
+
+    One file may be unstamped (from before traces recorded their round): it then serves
+    runs of one round at one load. Otherwise each file's :data:`DRAWN_FOR` names its
+    experiment, round and load, and the files cover the runs' (round, load) pairs exactly
+    once each, so no run replays another round's traffic.
+    """
+    def where(key: tuple) -> str:
+        return f"round {key[0]}" + ("" if key[1] is None else f", {exp.load.param} {key[1]:g}")
+
+    needed = {(r.round, r.load) for r in runs}
+    traces: dict[tuple, Trace] = {}
+    for path in paths:
+        trace = read_trace(path)
+        drawn = trace.meta.get(DRAWN_FOR)
+        if drawn is None:
+            if len(paths) > 1:
+                raise ValueError(f"--trace {path} does not record the round and load it was drawn for (write it again "
+                                 "with `kvroute workload`), so it cannot be told apart from the other traces")
+            if len({k[0] for k in needed}) > 1:
+                raise ValueError(f"--trace {path} is one round's workload; choose the round with --round "
+                                 f"(the experiment has {exp.rounds})")
+            if len({k[1] for k in needed}) > 1:
+                raise ValueError(f"--trace {path} is one load's workload; choose the load with --load "
+                                 f"(the experiment's {exp.load.param} takes {len(exp.load.values)} values)")
+            return {key: trace for key in needed}
+        if drawn["experiment"] != exp.name:
+            raise ValueError(f"--trace {path} was drawn for experiment {drawn['experiment']!r}, not {exp.name!r}")
+        key = (int(drawn["round"]), None if drawn["load"] is None else float(drawn["load"]))
+        if key in traces:
+            raise ValueError(f"--trace {path}: two traces are {where(key)}")
+        if key not in needed:
+            raise ValueError(f"--trace {path} is {where(key)}, which none of the runs simulates (choose them with "
+                             "--round and --load, or leave the file out)")
+        traces[key] = trace
+    missing = sorted(needed - traces.keys(), key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+    if missing:
+        raise ValueError(f"no --trace for {where(missing[0])}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                         + f" of the runs (given {len(paths)}; simulate fewer with --round and --load)")
+    return traces
+
+
 def simulate_experiment(
     exp: Experiment,
     out: Path,
@@ -184,7 +240,7 @@ def simulate_experiment(
     rounds: int | None = None,
     round_: int | None = None,
     hardware: str | None = None,
-    trace: Path | None = None,
+    trace: Path | Sequence[Path] | None = None,
     coefficients: Path | None = None,
     load: float | None = None,
     point: float | None = None,
@@ -196,21 +252,17 @@ def simulate_experiment(
     ``coefficients`` replaces each run's family coefficients with that file's entry
     (see :func:`simulate_run`); run.json records which were used.
 
-    ``trace`` replays that trace file (written by ``kvroute workload``) instead of
-    drawing the workload again; it is one round's traffic at one load, so the runs must
-    cover exactly one round (pass ``round_`` when the experiment has several) and one
-    load (pass ``load`` when it has a load axis of several).
+    ``trace`` replays trace files (written by ``kvroute workload``) instead of drawing
+    the workloads again (:func:`replayed_traces`): one file for one round at one load, or
+    one per (round, load) the runs cover, each matched by the round and load it records
+    it was drawn for (one job of the workflow simulates a policy over every round and load).
     """
     runs = exp.expand(policies, hardware, rounds, round_, load=load)
-    if trace is not None and len({r.round for r in runs}) != 1:
-        raise ValueError(f"--trace {trace} is one round's workload; choose the round with --round (the experiment has {exp.rounds})")
-    if trace is not None and len({r.load for r in runs}) != 1:
-        raise ValueError(f"--trace {trace} is one load's workload; choose the load with --load "
-                         f"(the experiment's {exp.load.param} takes {len(exp.load.values)} values)")
+    paths = [] if trace is None else [Path(trace)] if isinstance(trace, (str, Path)) else [Path(t) for t in trace]
     for r in runs:  # fail on a bad override (or a coefficients file without the family) before anything runs
         run_hardware(r.hardware, coefficients)
         make_policy(r.policy, np.random.default_rng(0))
-    traces: dict[tuple, Trace] = {(runs[0].round, runs[0].load): read_trace(Path(trace))} if trace is not None and runs else {}
+    traces = replayed_traces(exp, runs, paths) if paths else {}
     all_rows: list[dict] = []
     metas: list[dict] = []
     bar = tqdm(runs, desc=f"simulate {exp.name}", unit="run", disable=_progress_disabled())
@@ -237,7 +289,7 @@ def simulate_experiment(
     for col in ENGINE_COUNTERS:
         summary[col] = [engines[_run_key(k)][col] for k in keys]
     write_csv(summary, out / "summary.csv")
-    info = {"experiment": exp.raw, "trace": str(trace) if trace is not None else None, "runs": metas, "hardware": {h: load_hardware(h).to_dict() for h in {r.hardware for r in runs}},
+    info = {"experiment": exp.raw, "trace": [str(p) for p in paths] or None, "runs": metas, "hardware": {h: load_hardware(h).to_dict() for h in {r.hardware for r in runs}},
             "coefficients": coefficients_info({r.hardware for r in runs}, coefficients)}
     write_atomic(out / "run.json", lambda tmp: Path(tmp).write_text(json.dumps(info, indent=1, default=str)))
     return summary
