@@ -96,16 +96,16 @@ def test_simulate_runs_production_routers_as_their_counterparts(tmp_path):
     exp = load_experiment(path)  # valid for measuring
     assert [r.policy for r in exp.expand(measured=True)] == ["round_robin", "vllm_router:cache_aware",
                                                              "sglang_router:cache_aware", "sglang_router:power_of_two"]
-    assert [r.policy for r in exp.expand()] == ["round_robin", "vllm_cache_aware", "sglang_cache_aware"]
+    vllm = "vllm_cache_aware:prefix_match=false"
+    assert [r.policy for r in exp.expand()] == ["round_robin", vllm, "sglang_cache_aware"]
     res = CliRunner().invoke(main, ["simulate", str(path), "--out", str(tmp_path / "o")])
     assert res.exit_code == 0, res.output
-    assert set(pd.read_parquet(tmp_path / "o" / "requests.parquet")["policy"]) == {"round_robin", "vllm_cache_aware",
-                                                                                "sglang_cache_aware"}
+    assert set(pd.read_parquet(tmp_path / "o" / "requests.parquet")["policy"]) == {"round_robin", vllm, "sglang_cache_aware"}
     res = CliRunner().invoke(main, ["simulate", str(path), "--out", str(tmp_path / "p"),
                                     "--policy", "vllm_router:cache_aware"])
     assert res.exit_code != 0
     assert ("'vllm_router:cache_aware' is a production router: it can be measured (kvroute measure), not simulated;"
-            " simulate its counterpart with --policy vllm_cache_aware") in res.output
+            f" simulate its counterpart with --policy {vllm}") in res.output
     with pytest.raises(ExperimentError, match="not simulated"):
         load_experiment(_exp(tmp_path, ["sticky"])).expand(["sglang_router:round_robin"])
 
@@ -314,9 +314,10 @@ async def _mid_flight_placement(url: str) -> tuple[bool, bool]:
 @needs_routers
 @pytest.mark.parametrize("spec", ["sglang_router:cache_aware", "vllm_router:cache_aware"])
 def test_cache_aware_counterpart_learns_a_prefix_when_its_router_does(spec, tmp_path):
-    """vllm-router 0.1.17 learns a request's text only when it finishes (a request sent
-    while it streams does not match it), sglang-router 0.3.2 when it routes it: the
-    counterpart, through the gateway, places B and C as the router does."""
+    """sglang-router 0.3.2 learns a request's text when it routes it (B and C follow A);
+    through vllm-router 0.1.17, B goes to the other worker and C to A's, which learning at
+    the finish and matching nothing both give (test_vllm_router_sends_a_known_prefix_to_the_least_loaded
+    tells them apart): the counterpart, through the gateway, places B and C as the router does."""
     from kvroute.live.engines import running_engines
     from kvroute.live.gateway import Gateway
     from kvroute.live.peers import running_peer
@@ -338,3 +339,84 @@ def test_cache_aware_counterpart_learns_a_prefix_when_its_router_does(spec, tmp_
         ours = asyncio.run(through_gateway(eng.urls, eng.names))
     assert peer == ((True, True) if spec.startswith("sglang") else (False, True))
     assert ours == peer
+
+
+async def _known_prefix_placement(url: str) -> dict[str, str]:
+    """L1 streams on one worker; A (a long system prompt) goes to the other and finishes;
+    L2 streams there; L1 finishes; then B, sharing A's long prefix, is sent while the
+    worker that served A is one request busier than the other: {request: worker}."""
+    import aiohttp
+
+    from kvroute.hardware import load_hardware
+    from kvroute.live.engines import served_model_name
+    from kvroute.live.loadgen import WORKER_FIELD
+
+    model = served_model_name(load_hardware("cpu"))
+
+    def body(system: str, user: str, **kw) -> dict:
+        return {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                **kw}
+
+    where: dict[str, str] = {}
+    async with aiohttp.ClientSession() as c:
+        async def stream(name: str, b: dict, started: asyncio.Event) -> None:
+            async with c.post(url + "/v1/chat/completions", json=b, headers={"X-Session-ID": name}) as r:
+                async for line in r.content:
+                    if line.startswith(b"data:") and b"[DONE]" not in line:
+                        worker = json.loads(line[5:]).get(WORKER_FIELD)
+                        if worker:
+                            where.setdefault(name, worker)
+                        started.set()
+
+        async def once(name: str, b: dict) -> None:
+            async with c.post(url + "/v1/chat/completions", json=b, headers={"X-Session-ID": name}) as r:
+                where[name] = (await r.json())[WORKER_FIELD]
+
+        s1, s2 = asyncio.Event(), asyncio.Event()
+        l1 = asyncio.create_task(stream("l1", body("alpha " * 600, "one", max_tokens=60, stream=True), s1))
+        await s1.wait()
+        await once("a", body("lorem " * 600, "ax " * 50, max_tokens=4))
+        await asyncio.sleep(0.5)  # A's completion reaches the router before L2 is routed
+        l2 = asyncio.create_task(stream("l2", body("gamma " * 600, "two", max_tokens=400, stream=True), s2))
+        await s2.wait()
+        await l1
+        await asyncio.sleep(0.5)
+        assert not l2.done(), "L2 finished before B was sent: slow the emulator down"
+        await once("b", body("lorem " * 600, "ax " * 50 + "more " * 10, max_tokens=4))
+        await l2
+    return where
+
+
+@needs_routers
+def test_vllm_router_sends_a_known_prefix_to_the_least_loaded(tmp_path):
+    """In front of workers that refuse its /render posts, vllm-router 0.1.17 sends B to
+    the least-loaded worker, not to the one that served B's long prefix (one request
+    busier): it matched nothing. Its counterpart (``prefix_match=false``) does the same;
+    the rule with prefix matching on would follow the prefix."""
+    from kvroute.live.engines import running_engines
+    from kvroute.live.gateway import Gateway
+    from kvroute.live.peers import running_peer
+    from kvroute.policies import counterpart
+
+    async def through_gateway(urls, names, policy) -> dict[str, str]:
+        gw = Gateway(list(zip(names, urls)), policy)
+        await gw.start()
+        try:
+            return await _known_prefix_placement(gw.url)
+        finally:
+            await gw.stop()
+
+    def followed(where: dict[str, str]) -> bool:
+        assert where["a"] != where["l1"] and where["l2"] == where["a"], where  # the setup held
+        return where["b"] == where["a"]
+
+    with running_engines("cpu", kind="emulator", run_dir=tmp_path / "engines", time_scale=1.0) as eng:
+        with running_peer("vllm_router:cache_aware", eng.urls, log_path=tmp_path / "router.log") as url:
+            peer = asyncio.run(_known_prefix_placement(url))
+        eng.reset_prefix_cache()
+        ours = asyncio.run(through_gateway(eng.urls, eng.names, counterpart("vllm_router:cache_aware")))
+        eng.reset_prefix_cache()
+        rule = asyncio.run(through_gateway(eng.urls, eng.names, "vllm_cache_aware"))
+    assert not followed(peer), peer
+    assert not followed(ours), ours
+    assert followed(rule), rule

@@ -24,8 +24,11 @@ def test_vllm_cache_aware_defaults_are_the_vllm_router_command_lines():
     p = policy("vllm_cache_aware")
     assert (p.cache_threshold, p.balance_abs_threshold, p.balance_rel_threshold) == (0.3, 64, 1.5)
     assert type(p.balance_abs_threshold) is int  # a usize in the router: no fractional gap
-    assert p.spec == "vllm_cache_aware:cache_threshold=0.3,balance_abs_threshold=64,balance_rel_threshold=1.5"
+    assert p.spec == ("vllm_cache_aware:cache_threshold=0.3,balance_abs_threshold=64,balance_rel_threshold=1.5,"
+                      "prefix_match=true")
     assert p.default_exact is False  # routes from its own approximate tree
+    assert policy("sglang_cache_aware").spec == ("sglang_cache_aware:cache_threshold=0.3,balance_abs_threshold=64,"
+                                                 "balance_rel_threshold=1.5")
 
 
 def test_consistent_hash_has_160_virtual_nodes_and_no_parameters():
@@ -51,6 +54,16 @@ def test_vllm_cache_aware_follows_the_cache_above_the_threshold_else_least_loade
     # where SGLang's rule (prefix_approx) would take the smallest tree instead
     view.matched["w0"] = 300
     assert policy("prefix_approx").choose(req(prompt=1000), view) == "w0"
+
+
+def test_vllm_cache_aware_without_prefix_match_takes_the_least_loaded_whatever_matches():
+    """What vllm-router did in front of workers refusing /render (the measured rows' counterpart)."""
+    view = FakeView(workers=names(3), matched={"w0": 1000}, inflight={"w0": 2, "w1": 1, "w2": 1})
+    assert policy("vllm_cache_aware").choose(req(prompt=1000), view) == "w0"  # all cached: the cache
+    p = policy("vllm_cache_aware:prefix_match=false")
+    assert p.choose(req(prompt=1000), view) == "w1"  # least loaded, ties to the lowest index
+    assert p.asks_every_worker and p.index_on_finish  # still posts /render to every worker
+    assert counterpart("vllm_router:cache_aware") == "vllm_cache_aware:prefix_match=false"
 
 
 def test_vllm_cache_aware_miss_ties_go_to_the_lowest_index():
@@ -128,8 +141,8 @@ def test_every_production_router_spec_has_a_counterpart_entry_naming_a_policy():
     for spec, cp in COUNTERPARTS.items():
         assert counterpart(spec) == cp
         if cp is not None:
-            assert make_policy(cp, np.random.default_rng(0)).name == cp
-    assert counterpart("vllm_router:cache_aware") == "vllm_cache_aware"
+            assert make_policy(cp, np.random.default_rng(0)).name == cp.split(":")[0]
+    assert counterpart("vllm_router:cache_aware") == "vllm_cache_aware:prefix_match=false"  # it matched nothing here
     assert counterpart("vllm_router:consistent_hash") == "consistent_hash"
     assert counterpart("sglang_router:cache_aware") == "sglang_cache_aware"  # the same rules, its tree learns at routing
     assert counterpart(" vllm_router : round_robin ") == "round_robin"

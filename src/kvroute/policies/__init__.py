@@ -153,7 +153,8 @@ COUNTERPARTS: Mapping[str, str | None] = MappingProxyType(
         "sglang_router:round_robin": PolicyName.ROUND_ROBIN.value,
         "sglang_router:random": PolicyName.RANDOM.value,
         "sglang_router:power_of_two": None,
-        "vllm_router:cache_aware": PolicyName.VLLM_CACHE_AWARE.value,
+        # in front of vLLM workers, which refuse its /render posts, it matched no prefix (vllm_router.py)
+        "vllm_router:cache_aware": f"{PolicyName.VLLM_CACHE_AWARE.value}:prefix_match=false",
         "vllm_router:consistent_hash": PolicyName.CONSISTENT_HASH.value,
         "vllm_router:round_robin": PolicyName.ROUND_ROBIN.value,
         "vllm_router:power_of_two": None,

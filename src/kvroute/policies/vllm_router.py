@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvroute.policies.base import ClusterView
+from kvroute.policies.base import ClusterView, RouteRequest, up_workers
 from kvroute.policies.sglang import PrefixApproxPolicy
 from kvroute.policies.sticky import StickyPolicy
 
@@ -58,20 +58,28 @@ class VllmCacheAwarePolicy(PrefixApproxPolicy):
 
     Defined over a router-side approximate index (``default_exact`` False, inherited).
     The caller records every decision there, including imbalanced ones, as vllm-router
-    does, but only when the request has finished (``index_on_finish``): measured on the
-    0.1.17 binary with two emulated workers, a request sent while an earlier one sharing
-    its long system prompt is still streaming does not match it and goes to the other
-    (least-loaded) worker, and one sent after it finished does; sglang-router 0.3.2 matches
-    at once (``tests/test_peers.py``). So chats that start together spread over the
-    workers and then each stays where it began, which is what note 2's CPU rerun measured
-    (imbalance near 0, the sticky policies' hit rate), where a tree updated at routing
-    piles them on one worker.
+    does, but only when the request has finished (``index_on_finish``). That reading came
+    from the 0.1.17 binary with two emulated workers: a request sent while an earlier one
+    sharing its long system prompt still streams goes to the other worker, and one sent
+    after it finished goes to its worker (sglang-router 0.3.2 matches at once,
+    ``tests/test_peers.py``). A router that matches nothing routes those two the same
+    way, and that is what the binary did there (``prefix_match`` below).
 
     Before routing, vllm-router posts each request to every worker's
     ``/v1/chat/completions/render``. vLLM refuses it (403 without ``--enable-scale-out``),
     and routing goes on, but each refusal is work on that worker (``asks_every_worker``: the
     simulator charges the probe-measured ``api_refused_request_ms`` to every worker's core,
     where its API server shares the engine's, as on the CPU build).
+
+    ``prefix_match`` (default true: the rules above). Measured on the 0.1.17 binary in
+    front of workers that refuse ``/render`` (vLLM's CPU build, and the emulator), a
+    request goes to the least-loaded worker even where another worker served its prefix
+    and is only one request busier (``tests/test_peers.py``,
+    ``test_vllm_router_sends_a_known_prefix_to_the_least_loaded``); in note 2's CPU rerun
+    its per-engine counters read like least-loaded's, chats moving between workers. So it
+    matched nothing there, most likely for want of the rendered text. False: every request
+    takes rule 3, the least loaded: ``vllm_cache_aware:prefix_match=false``, the
+    counterpart of the measured ``vllm_router:cache_aware`` (``COUNTERPARTS``).
     """
 
     name: ClassVar[str] = "vllm_cache_aware"
@@ -81,7 +89,17 @@ class VllmCacheAwarePolicy(PrefixApproxPolicy):
         "cache_threshold": (float, 0.3),
         "balance_abs_threshold": (int, 64),
         "balance_rel_threshold": (float, 1.5),
+        "prefix_match": (bool, True),
     }
+
+    prefix_match: bool
+
+    def choose(self, request: RouteRequest, view: ClusterView) -> str:
+        """Rules 1-3; with ``prefix_match`` false, rule 3 for every request (no text to match)."""
+        if self.prefix_match:
+            return super().choose(request, view)
+        up = up_workers(view)
+        return self.low_match_worker(up, {w: view.in_flight(w) for w in up}, view)
 
     def low_match_worker(self, up: list[str], load: dict[str, int], view: ClusterView) -> str:
         """Rule 3, below the cache threshold: the least-loaded worker (ties -> lowest index)."""
@@ -98,6 +116,9 @@ class SglangCacheAwarePolicy(VllmCacheAwarePolicy):
     name: ClassVar[str] = "sglang_cache_aware"
     index_on_finish: ClassVar[bool] = False
     asks_every_worker: ClassVar[bool] = False
+    # it matches its own text (no /render): always rules 1-3, no prefix_match parameter
+    params: ClassVar[dict[str, tuple[type, object]]] = PrefixApproxPolicy.params
+    choose = PrefixApproxPolicy.choose
 
 
 class ConsistentHashPolicy(StickyPolicy):
