@@ -366,7 +366,8 @@ def get_policy_spec(wildcards):
 
 def get_sim_traces(wildcards):
     """The workloads simulate job ``wildcards`` replays: its runs' every (load, round)."""
-    return [f"{RESULTS}/workload/{wildcards.exp}/{loaddir}round{round_}.parquet" for loaddir, round_ in _sim_job(wildcards)[1]]
+    pattern = rules.workload.output.trace  # the workload rule's own path, not a copy of it
+    return [pattern.format(exp=wildcards.exp, loaddir=loaddir, round=round_) for loaddir, round_ in _sim_job(wildcards)[1]]
 
 
 def get_sim_traces_arg(wildcards, input):

@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from kvroute.experiment import Experiment, Run
+from kvroute.experiment import Experiment, Run, format_load
 from kvroute.hardware import hardware_dir, load_hardware, with_coefficients
 from kvroute.policies import make_policy
 from kvroute.records import REQUEST_COLUMNS, requests_table, summarize, write_atomic, write_csv, write_requests
@@ -199,7 +199,7 @@ def replayed_traces(exp: Experiment, runs: list[Run], paths: list[Path]) -> dict
     once each, so no run replays another round's traffic.
     """
     def where(key: tuple) -> str:
-        return f"round {key[0]}" + ("" if key[1] is None else f", {exp.load.param} {key[1]:g}")
+        return f"round {key[0]}" + ("" if key[1] is None else f", {exp.load.param} {format_load(key[1])}")
 
     needed = {(r.round, r.load) for r in runs}
     traces: dict[tuple, Trace] = {}
