@@ -752,3 +752,17 @@ def test_overfull_boxes_over_a_point_are_found_in_a_latex_log(tmp_path):
     assert check_log(tmp_path / "main.log") == 1
     (tmp_path / "ok.log").write_text(log.splitlines()[1] + "\n")
     assert check_log(tmp_path / "ok.log") == 0
+
+
+def test_a_production_routers_measured_row_stands_beside_its_counterparts_simulation():
+    # note 2's CPU table: vllm-router's measured row pairs with the counterpart simulating
+    # it, not with a dash; a simulated policy no measurement names keeps a row of its own
+    pairs = note2.measured_with_prediction(
+        ["round_robin", "vllm_router:cache_aware", "sglang_router:cache_aware", "vllm_router:power_of_two"],
+        ["round_robin", "vllm_cache_aware:prefix_match=false", "sglang_cache_aware", "kv_aware"])
+    assert pairs == [("round_robin", "round_robin"),
+                     ("vllm_router:cache_aware", "vllm_cache_aware:prefix_match=false"),
+                     ("sglang_router:cache_aware", "sglang_cache_aware"),
+                     ("vllm_router:power_of_two", None),  # no counterpart: measured only
+                     (None, "kv_aware")]
+    assert note2.measured_with_prediction([], ["kv_aware"]) == [(None, "kv_aware")]

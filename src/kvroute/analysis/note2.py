@@ -173,6 +173,31 @@ def side_by_side(
     return pd.DataFrame(out)
 
 
+def measured_with_prediction(measured: Sequence[str], simulated: Sequence[str],
+                             counterpart=None) -> list[tuple[str | None, str | None]]:
+    """Pairs ``(measured policy, simulated policy)`` for a table of both, like for like.
+
+    A production router's measured row (``vllm_router:cache_aware``) stands beside its
+    kvroute counterpart's simulation (:func:`kvroute.policies.counterpart`), as in
+    ``results/validation/summary.csv``, instead of apart from it with a dash in each; a
+    simulated policy that predicts no measured one, and a measured one with no
+    simulation, get a pair of their own (None on the missing side). Order: the measured
+    policies as given, then the simulated ones left over.
+    """
+    if counterpart is None:
+        from kvroute.policies import counterpart
+    sims = list(dict.fromkeys(simulated))
+    pairs: list[tuple[str | None, str | None]] = []
+    used: set[str] = set()
+    for pol in dict.fromkeys(measured):
+        sim = counterpart(pol) or pol
+        pairs.append((pol, sim if sim in sims else None))
+        if sim in sims:
+            used.add(sim)
+    pairs += [(None, sim) for sim in sims if sim not in used]
+    return pairs
+
+
 def any_measured(rows: Sequence[Row], measured: dict[str, pd.DataFrame | None]) -> bool:
     """Whether any row has a measured value (else a table leaves its measured column out)."""
     return any(rounds_interval(measured.get(r.experiment), r).n > 0 for r in rows)

@@ -165,7 +165,7 @@ COUNTERPARTS: Mapping[str, str | None] = MappingProxyType(
 def counterpart(spec: str) -> str | None:
     """The kvroute policy spec that simulates the production router ``spec``.
 
-    ``sglang_router:cache_aware`` -> ``vllm_cache_aware``, ``vllm_router:consistent_hash``
+    ``sglang_router:cache_aware`` -> ``sglang_cache_aware``, ``vllm_router:consistent_hash``
     -> ``consistent_hash``, and so on (:data:`COUNTERPARTS`). The policy's defaults are that
     router's command-line defaults. Returns None for a kvroute policy spec, and for a
     router policy that kvroute has no counterpart for (``power_of_two``). Raises
