@@ -221,3 +221,86 @@ def test_oversubscribed_share_is_the_time_a_worker_holds_more_than_its_batch():
     got = oversubscribed_share(rows, max_seqs=1).set_index("policy")["share"]
     assert got["p"] == pytest.approx(0.25) and got["q"] == 0.0
     assert oversubscribed_share(rows, max_seqs=2)["share"].eq(0.0).all()
+
+
+def _request(policy: str, rnd: int, worker: str, arrival: float, finish: float, ttft_ms: float,
+             tokens: int = 11, status: str = "ok", exp: str = "e", hw: str = "cpu") -> dict:
+    return {"experiment": exp, "hardware": hw, "policy": policy, "round": rnd, "worker": worker,
+            "arrival_s": arrival, "finish_s": finish, "ttft_ms": ttft_ms, "e2e_ms": 1e3 * (finish - arrival),
+            "output_tokens": tokens, "status": status}
+
+
+def test_worker_rows_set_each_workers_measurement_beside_its_prediction():
+    """Per worker and round: its share of the requests, mean TTFT, decode time per token
+    after the first ((e2e - ttft) / (tokens - 1)) and time over max_seqs; a round that sent
+    a worker nothing counts a share of 0; a failed row and a peer's 'unknown' worker are
+    left out; a production router is predicted by its counterpart's records."""
+    from kvroute.analysis.validation import WORKER_COLUMNS, worker_rows
+
+    measured = pd.DataFrame([
+        # round 0: w0 two requests, overlapping 0.5 s of a 2 s round; w1 one
+        _request("p", 0, "w0", 0.0, 1.0, 100.0), _request("p", 0, "w0", 0.5, 1.5, 200.0),
+        _request("p", 0, "w1", 1.0, 2.0, 300.0),
+        _request("p", 0, "w1", 1.0, float("nan"), float("nan"), status="error"),
+        # round 1: w0 only
+        _request("p", 1, "w0", 0.0, 1.0, 100.0), _request("p", 1, "w0", 1.0, 2.0, 100.0),
+        _request("sglang_router:cache_aware", 0, "unknown", 0.0, 1.0, 50.0),
+    ])
+    simulated = pd.DataFrame([
+        _request("p", 0, "w0", 0.0, 1.0, 120.0), _request("p", 0, "w1", 0.5, 1.5, 240.0),
+        _request("p", 1, "w0", 0.0, 1.0, 120.0), _request("p", 1, "w1", 0.5, 1.5, 240.0),
+        _request("sglang_cache_aware", 0, "w0", 0.0, 1.0, 60.0),
+    ])
+    got = worker_rows(simulated, measured, max_seqs=lambda hw: 1)
+    assert tuple(got.columns) == WORKER_COLUMNS
+    assert set(got["policy"]) == {"p"}  # the peer's records name no worker the simulation has
+    row = got.set_index(["worker", "metric"])
+    assert row.loc[("w0", "request_share"), "measured"] == pytest.approx((2 / 3 + 1) / 2)
+    assert row.loc[("w1", "request_share"), "measured"] == pytest.approx((1 / 3 + 0) / 2)
+    assert row.loc[("w1", "request_share"), "predicted"] == pytest.approx(0.5)
+    assert row.loc[("w0", "ttft_mean_ms"), "measured"] == pytest.approx((150 + 100) / 2)
+    assert row.loc[("w0", "ttft_mean_ms"), "rel_error"] == pytest.approx(120 / 125 - 1)
+    assert row.loc[("w1", "ttft_mean_ms"), "measured"] == pytest.approx(300)  # round 1 sent it nothing
+    assert row.loc[("w0", "decode_ms_per_token"), "measured"] == pytest.approx(
+        ((900 + 800) / 2 / 10 + 900 / 10) / 2)
+    assert row.loc[("w0", "oversubscribed_share"), "measured"] == pytest.approx((0.5 / 2 + 0) / 2)
+    assert row.loc[("w0", "oversubscribed_share"), "predicted"] == 0.0
+
+
+def test_the_command_writes_each_measured_workers_rows(tmp_path):
+    """`kvroute validate` with a measurement writes workers.csv from the full records of the
+    measured experiments only. Test data: a small simulation of note2-cpu relabelled
+    ``live`` stands in for the measurement, so each worker's prediction equals it."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    from kvroute.experiment import load_experiment
+    from kvroute.records import write_requests
+    from kvroute.sim.run import simulate_experiment
+
+    dirs = {}
+    for name in ("note2-cpu", "note2-6turn"):
+        exp = load_experiment(ROOT / f"config/experiments/{name}.yaml")
+        small = exp.raw | {"rounds": 2, "workload": {**exp.workload, "params": {**exp.workload["params"], "chats": 4, "turns": 2}}}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(small))
+        simulate_experiment(load_experiment(path), tmp_path / name, policies=["round_robin", "kv_aware"])
+        dirs[name] = tmp_path / name
+    live = tmp_path / "measure" / "note2-cpu" / "cpu"
+    live.mkdir(parents=True)
+    t = pq.read_table(dirs["note2-cpu"] / "requests.parquet")
+    t = t.set_column(t.schema.get_field_index("source"), "source", pa.array(["live"] * len(t)))
+    write_requests(t, live / "requests.parquet")
+    shutil.copy(dirs["note2-cpu"] / "summary.csv", live / "summary.csv")
+    args = [a for d in dirs.values() for a in ("--sim", str(d))] + ["--measured", str(live)]
+    res = CliRunner().invoke(main, ["validate", *args, "--out", str(tmp_path / "v")])
+    assert res.exit_code == 0, res.output
+    w = pd.read_csv(tmp_path / "v" / "workers.csv")
+    assert set(w["experiment"]) == {"note2-cpu"} and set(w["hardware"]) == {"cpu"}
+    assert set(w["policy"]) == {"round_robin", "kv_aware"}
+    assert set(w[w["policy"] == "round_robin"]["worker"]) == {"w0", "w1"}
+    assert np.allclose(w["predicted"], w["measured"], equal_nan=True)
+    assert w[w["metric"] == "request_share"].groupby("policy")["measured"].sum().round(9).eq(1.0).all()

@@ -228,12 +228,13 @@ def merge(dirs: tuple[Path, ...], out: Path) -> None:
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for summary.csv and published.csv.")
 def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path, coefficients: tuple[Path, ...],
              experiments: Path, out: Path) -> None:
-    """Every prediction beside its measurement (summary.csv) and published value (published.csv)."""
+    """Every prediction beside its measurement (summary.csv; per worker, workers.csv) and published value (published.csv)."""
     import functools
 
     import pandas as pd
 
     from kvroute.analysis.validation import (
+        WORKER_COLUMNS,
         ValidationError,
         headline,
         in_sample_experiments,
@@ -241,7 +242,9 @@ def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path,
         operating_point_anchors,
         published_rows,
         read_reported,
+        worker_rows,
     )
+    from kvroute.hardware import load_hardware
     from kvroute.records import write_csv
 
     def read(dirs: tuple[Path, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -260,9 +263,20 @@ def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path,
         published = published_rows(sim, read_reported(reported), in_sample=in_sample, anchors=anchors)
     except ValidationError as exc:
         raise click.ClickException(str(exc)) from exc
+    # per worker, for the measured experiments only (their full records; the rest are never read)
+    measured_exps = sorted(meas["experiment"].unique()) if len(meas) else []
+    records = [pd.read_parquet(d / "requests.parquet", filters=[("experiment", "in", measured_exps)])
+               for d in sims + measured if measured_exps and (d / "requests.parquet").is_file()]
+    records = [r for r in records if len(r)]
+    live = [r for r in records if r["source"].iloc[0] != "sim"]
+    simulated = [r for r in records if r["source"].iloc[0] == "sim"]
+    workers = (worker_rows(pd.concat(simulated, ignore_index=True), pd.concat(live, ignore_index=True),
+                           lambda hw: load_hardware(hw).engine.max_num_seqs)
+               if live and simulated else pd.DataFrame(columns=list(WORKER_COLUMNS)))
     out.mkdir(parents=True, exist_ok=True)
     write_csv(summary, out / "summary.csv")
     write_csv(published, out / "published.csv")
+    write_csv(workers, out / "workers.csv")
     h = headline(summary)
     click.echo(f"{len(summary)} measured rows, {len(published)} published rows; "
                f"timing median |error| {h['timing_median_abs_rel_error']:.1%}, hit rate worst {h['hit_rate_max_points']:.1f} points, "

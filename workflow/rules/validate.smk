@@ -1,8 +1,8 @@
 # Stage 3b, validate: every prediction beside what it predicts (`kvroute validate`):
 # results/validation/summary.csv (simulated against measured, like for like: the same
-# policy, or a production router's kvroute counterpart, and the same view) and
-# results/validation/published.csv (simulated against every published figure of
-# paper/reported/). Reruns when a merged simulation, a measurement, a published file or
+# policy, or a production router's kvroute counterpart, and the same view), per measured
+# worker results/validation/workers.csv, and results/validation/published.csv (simulated
+# against every published figure of paper/reported/). Reruns when a merged simulation, a measurement, a published file or
 # the coefficients (whose provenance says what is in sample) change.
 
 
@@ -12,6 +12,7 @@ rule validate:
     output:
         summary=f"{RESULTS}/validation/summary.csv",
         published=f"{RESULTS}/validation/published.csv",
+        workers=f"{RESULTS}/validation/workers.csv",
     params:
         sims=lambda wildcards, input: " ".join(f"--sim {d}" for d in sorted({str(Path(p).parent) for p in input.sim})),
         measured=lambda wildcards, input: " ".join(f"--measured {d}" for d in sorted({str(Path(p).parent) for p in input.measure})),

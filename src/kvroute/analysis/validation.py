@@ -22,6 +22,7 @@ provenance's ``in_sample_for`` in ``hardware/coefficients.yaml``).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -269,6 +270,16 @@ def order_checks(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["experiment", "hardware", "metric", "lower", "higher", "predicted_same"])
 
 
+def _time_over(worker: pd.DataFrame, max_seqs: int) -> float:
+    """Seconds during which one worker's records held more than ``max_seqs`` requests in
+    flight (sent and not yet finished); at a tie a finish comes before an arrival."""
+    times = np.concatenate([worker["arrival_s"].to_numpy(), worker["finish_s"].to_numpy()])
+    steps = np.concatenate([np.ones(len(worker)), -np.ones(len(worker))])
+    order = np.lexsort((steps, times))
+    times, level = times[order], np.cumsum(steps[order])
+    return float(np.sum(np.diff(times)[level[:-1] > max_seqs]))
+
+
 def oversubscribed_share(records: pd.DataFrame, max_seqs: int) -> pd.DataFrame:
     """Per policy and round: the share of the round (first arrival to last finish) during
     which its busiest worker held more than ``max_seqs`` requests in flight (sent and not
@@ -282,13 +293,78 @@ def oversubscribed_share(records: pd.DataFrame, max_seqs: int) -> pd.DataFrame:
     ok = records.dropna(subset=["arrival_s", "finish_s"])
     for (policy, rnd), run in ok.groupby(["policy", "round"], sort=True):
         span = run["finish_s"].max() - run["arrival_s"].min()
-        worst = 0.0
-        for _, w in run.groupby("worker"):
-            times = np.concatenate([w["arrival_s"].to_numpy(), w["finish_s"].to_numpy()])
-            steps = np.concatenate([np.ones(len(w)), -np.ones(len(w))])
-            order = np.lexsort((steps, times))  # at a tie a finish (-1) comes before an arrival
-            times, level = times[order], np.cumsum(steps[order])
-            over = float(np.sum(np.diff(times)[level[:-1] > max_seqs]))
-            worst = max(worst, over)
+        worst = max((_time_over(w, max_seqs) for _, w in run.groupby("worker")), default=0.0)
         out.append({"policy": policy, "round": int(rnd), "share": worst / span if span > 0 else 0.0})
     return pd.DataFrame(out, columns=["policy", "round", "share"])
+
+
+#: what ``workers.csv`` compares per worker: its share of the requests, their mean TTFT,
+#: their decode time per streamed token after the first, and the share of the round it
+#: held more than ``max_num_seqs`` requests
+WORKER_METRICS = ("request_share", "ttft_mean_ms", "decode_ms_per_token", "oversubscribed_share")
+WORKER_COLUMNS = COLUMNS[:3] + ("worker",) + COLUMNS[3:9]
+
+
+def _worker_metrics(run: pd.DataFrame, max_seqs: int) -> dict[str, dict[str, float]]:
+    """One round of one policy: each worker's :data:`WORKER_METRICS`."""
+    span = run["finish_s"].max() - run["arrival_s"].min()
+    out = {}
+    for worker, w in run.groupby("worker", sort=True):
+        decoded = w[w["output_tokens"] > 1]
+        per_token = (decoded["e2e_ms"] - decoded["ttft_ms"]) / (decoded["output_tokens"] - 1)
+        out[str(worker)] = {"request_share": len(w) / len(run), "ttft_mean_ms": float(w["ttft_ms"].mean()),
+                            "decode_ms_per_token": float(per_token.mean()) if len(per_token) else float("nan"),
+                            "oversubscribed_share": _time_over(w, max_seqs) / span if span > 0 else 0.0}
+    return out
+
+
+def worker_rows(
+    sim_requests: pd.DataFrame,
+    measured_requests: pd.DataFrame,
+    max_seqs: Callable[[str], int],
+    counterpart: Callable[[str], str | None] | None = None,
+) -> pd.DataFrame:
+    """Each measured worker beside its prediction: where a policy's error comes from.
+
+    A policy's row in ``summary.csv`` mixes its workers; on the CPU profile they differ
+    (the client shares w1's core), so a miss can be one worker's. One row per
+    (experiment, hardware, policy, worker, metric of :data:`WORKER_METRICS`), the
+    measured mean over rounds with its 95% interval, the prediction the mean of the
+    simulated rounds. Only successful requests count; a production router whose records
+    name no worker the simulation has (a peer reports ``unknown``) gets no rows.
+
+    Args:
+        sim_requests, measured_requests: the records (``requests.parquet``).
+        max_seqs: hardware name -> its engines' ``max_num_seqs``.
+        counterpart: production router spec -> the kvroute policy simulating it.
+    """
+    if counterpart is None:
+        from kvroute.policies import counterpart
+    keys = ["experiment", "hardware", "policy"]
+
+    def per_round(records: pd.DataFrame, limit: int) -> dict[str, dict[str, list[float]]]:
+        """worker -> metric -> one value per round; a round that sent a worker nothing
+        gives it shares of 0 and no TTFT or decode time."""
+        ok = records[records["status"] == "ok"].dropna(subset=["arrival_s", "finish_s"])
+        rounds = [_worker_metrics(run, limit) for _, run in ok.groupby("round", sort=True)]
+        idle = {"request_share": 0.0, "ttft_mean_ms": math.nan, "decode_ms_per_token": math.nan,
+                "oversubscribed_share": 0.0}
+        workers = sorted({w for r in rounds for w in r})
+        return {w: {k: [r.get(w, idle)[k] for r in rounds] for k in WORKER_METRICS} for w in workers}
+
+    rows = []
+    for (exp, hw, pol), m in measured_requests.groupby(keys, sort=True):
+        sim_pol = counterpart(pol) or pol
+        s = sim_requests[(sim_requests["experiment"] == exp) & (sim_requests["hardware"] == hw)
+                         & (sim_requests["policy"] == sim_pol)]
+        if s.empty:
+            continue
+        limit = max_seqs(hw)
+        meas, pred = per_round(m, limit), per_round(s, limit)
+        for worker in sorted(set(meas) & set(pred)):
+            for metric in WORKER_METRICS:
+                iv, p = interval(meas[worker][metric]), interval(pred[worker][metric]).mean
+                rows.append({"experiment": exp, "hardware": hw, "policy": pol, "worker": worker, "metric": metric,
+                             "predicted": p, "measured": iv.mean, "measured_lo": iv.lo, "measured_hi": iv.hi,
+                             "rel_error": _rel(p, iv.mean)})
+    return pd.DataFrame(rows, columns=list(WORKER_COLUMNS))
