@@ -119,6 +119,7 @@ bench: $(STAMP) routers engine-cpu
 	$(BIN)/python benchmarks/calibration_repeat.py || status=1; \
 	$(BIN)/python benchmarks/client_interference.py || status=1; \
 	$(BIN)/python benchmarks/engine_interference.py || status=1; \
+	$(BIN)/python benchmarks/logprobs_cost.py || status=1; \
 	exit $$status
 
 # Re-pin every dependency from pyproject.toml into the locks (run after changing dependencies):

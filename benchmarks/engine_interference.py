@@ -38,12 +38,15 @@ TOKENS = 64
 WORDS = 600  # a prompt about note2-cpu's context (its 600-word system prompt)
 
 
-async def stream(session, url: str, model: str, key: str) -> int:
-    """One streamed chat of TOKENS tokens; the number of content chunks received."""
+async def stream(session, url: str, model: str, key: str, logprobs: bool = False) -> int:
+    """One streamed chat of TOKENS tokens (asking for each token's logprob, or not); the
+    number of content chunks received."""
     from kvroute.live import text
 
     body = {"model": model, "messages": [{"role": "user", "content": text.words(key, WORDS)}],
             "max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    if logprobs:
+        body |= {"logprobs": True, "top_logprobs": 0}
     chunks = 0
     async with session.post(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                             headers={"Content-Type": "application/json"}) as resp:
