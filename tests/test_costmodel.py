@@ -5,12 +5,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dataclasses import replace
+
 from kvroute.costmodel import StepTimeModel
 from kvroute.hardware import available_hardware, load_hardware
 
 
-@pytest.fixture(params=["a6000x4", "a100x1", "cpu"])
+def with_attention(name: str, cached: float, chunk: float):
+    """Profile ``name`` with attention at rates of its own (as the CPU probe fits them)."""
+    hw = load_hardware(name)
+    return replace(hw, coefficients=replace(hw.coefficients, attn_cached_efficiency=cached, attn_chunk_efficiency=chunk))
+
+
+@pytest.fixture(params=["a6000x4", "a100x1", "cpu", "cpu-attention"])
 def model(request):
+    if request.param == "cpu-attention":  # both rates unlike the body's: every path takes the split
+        return StepTimeModel.from_hardware(with_attention("cpu", 0.9, 2.5))
     return StepTimeModel.from_hardware(load_hardware(request.param))
 
 
@@ -45,6 +55,42 @@ def test_a6000_decode_is_memory_bound_near_published_speed():
 def test_prefill_time_is_monotone(model):
     assert model.prefill_time(0) == 0
     assert model.prefill_time(100) < model.prefill_time(1000) < model.prefill_time(1000, context=4000)
+
+
+def test_attention_at_the_body_s_rate_is_the_model_without_the_split():
+    """Efficiencies equal to compute_efficiency give the unsplit model's times (to rounding):
+    the split only moves attention's pairs to rates of their own."""
+    hw = load_hardware("cpu")
+    eff = hw.coefficients.compute_efficiency
+    plain, split = StepTimeModel.from_hardware(hw), StepTimeModel.from_hardware(with_attention("cpu", eff, eff))
+    assert plain.attn_cached_s_per_pair is None and split.attn_cached_s_per_pair is not None
+    for args in ((4, 4 * 2000, ()), (0, 0, [(2048, 0)]), (2, 900, [(964, 2048), (100, 30)])):
+        assert split.step_time(*args) == pytest.approx(plain.step_time(*args), rel=1e-12)
+    assert split.decode_steps(4, 4000, 50) == pytest.approx(plain.decode_steps(4, 4000, 50), rel=1e-12)
+    assert split.prefill_time(3000, 500) == pytest.approx(plain.prefill_time(3000, 500), rel=1e-12)
+
+
+def test_each_attention_rate_prices_its_own_pairs():
+    """Cached-KV pairs (decode context, a chunk against earlier tokens) at one rate, a chunk's
+    causal pairs within itself at the other: slowing one leaves the other's work unchanged."""
+    base = StepTimeModel.from_hardware(with_attention("cpu", 1.0, 1.0))
+    slow_cached = StepTimeModel.from_hardware(with_attention("cpu", 0.5, 1.0))
+    slow_chunk = StepTimeModel.from_hardware(with_attention("cpu", 1.0, 0.5))
+    q, c = 1000, 2000
+    extra = base.attn_flops_per_pair / base.peak * load_hardware("cpu").coefficients.compute_efficiency
+    # compute-bound prefill: the difference is exactly the pairs at the halved rate
+    assert slow_cached.step_time(0, 0, [(q, c)]) - base.step_time(0, 0, [(q, c)]) == pytest.approx(extra * q * c, rel=1e-9)
+    assert slow_chunk.step_time(0, 0, [(q, c)]) - base.step_time(0, 0, [(q, c)]) == pytest.approx(extra * q * q / 2, rel=1e-9)
+    assert slow_chunk.prefill_time(q, c) - base.prefill_time(q, c) == pytest.approx(extra * q * q / 2, rel=1e-9)
+    # a decode step's pairs are all against the cache
+    assert slow_chunk.decode_steps(4, 4 * 3000, 10) == base.decode_steps(4, 4 * 3000, 10)
+
+
+def test_one_attention_rate_alone_is_refused():
+    with pytest.raises(ValueError, match="come together"):
+        StepTimeModel.from_hardware(with_attention("cpu", 0.9, None))
+    with pytest.raises(ValueError, match="attn_chunk_efficiency must be above 0"):
+        StepTimeModel.from_hardware(with_attention("cpu", 0.9, 0.0))
 
 
 def test_unknown_hardware_lists_valid_names():

@@ -12,7 +12,8 @@ from kvroute.live.probe import ProbePlan, ProbeRequest
 from kvroute.probefit import (CLIENT, FITTED, REFUSED, Observation, client_costs, coefficient_entry, collect,
                               fit_probes, model_at, observation_table, predict, refused_cost)
 
-TRUTH = {"compute_efficiency": 1.3, "mem_efficiency": 0.8, "step_overhead_ms": 3.0, "per_seq_overhead_ms": 0.25}
+TRUTH = {"compute_efficiency": 1.3, "mem_efficiency": 0.8, "step_overhead_ms": 3.0, "per_seq_overhead_ms": 0.25,
+         "attn_cached_efficiency": 0.9, "attn_chunk_efficiency": 2.5}
 API_MS, JITTER_MS, ADMISSION_MS = 12.0, 4.0, 3.5
 PER_PROMPT_TOKEN_MS = 0.004  # the API server's templating and tokenising, per prompt token
 BUSY_FACTOR = 1.7  # the API delay's stretch beside a running engine

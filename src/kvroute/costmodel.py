@@ -14,6 +14,20 @@ the LM head's FLOPs are paid once per sequence (vLLM computes logits only at the
 positions it samples), the body's once per token. A model profile without ``vocab``
 counts every parameter as body, as the model did before the split.
 
+Attention runs at the body's rate unless a profile's coefficients give it rates of its own
+(``attn_cached_efficiency``, ``attn_chunk_efficiency``; the CPU probe fits them, no GPU
+family has them). Then its query x key pairs split in two, each at its own effective rate:
+
+    attention = 4 * layers * heads * head_dim * (cached pairs / (peak * attn_cached_efficiency)
+                                                 + chunk pairs / (peak * attn_chunk_efficiency))
+    cached pairs = decode context + q * c per prefill chunk   (against KV already in the cache)
+    chunk pairs  = q * q / 2 per prefill chunk                (causal, within the new chunk)
+
+vLLM's CPU build runs the two through different kernels (a dense SDPA over the new chunk,
+a paged-KV kernel against the cache), and on a model as small as the cpu profile's the
+attention of a 3,000-token prompt costs as much as its body, so one rate for all of it
+bends every long prefill (docs/costmodel.md, "Prefill and attention on CPU").
+
 multiplied by ``share`` when several workers time-share one device. This is the one
 place latency comes from: the engine model never hard-codes a duration.
 
@@ -59,6 +73,11 @@ class StepTimeModel:
     # and their transfer time per token in the step
     comm_step_s: float = 0.0
     comm_per_token_s: float = 0.0
+    #: seconds per attention pair against cached KV and within a prefill chunk, where the
+    #: coefficients give attention its own rates (both or neither); None: ``attn_flops_per_pair
+    #: / peak``, the body's rate, by the expression the model always had (the same bits)
+    attn_cached_s_per_pair: float | None = None
+    attn_chunk_s_per_pair: float | None = None
 
     @classmethod
     def from_hardware(cls, hw: Hardware) -> StepTimeModel:
@@ -84,6 +103,8 @@ class StepTimeModel:
             per_seq_overhead_s=c.per_seq_overhead_ms * 1e-3,
             comm_step_s=comm_step,
             comm_per_token_s=comm_token,
+            **attention_rates(4.0 * m.layers * m.heads * m.head_dim, hw.tflops * TFLOP * tp,
+                              c.attn_cached_efficiency, c.attn_chunk_efficiency),
         )
 
     def comm_time(self, tokens: int) -> float:
@@ -106,14 +127,25 @@ class StepTimeModel:
             share: how many workers are time-sharing the device right now.
         """
         seqs, tokens, ctx, pairs = n_decode, n_decode, decode_ctx, float(decode_ctx)
-        for q, c in prefills:
-            seqs += 1
-            tokens += q
-            ctx += c + q
-            pairs += q * (c + q / 2.0)
+        if self.attn_cached_s_per_pair is None:
+            for q, c in prefills:
+                seqs += 1
+                tokens += q
+                ctx += c + q
+                pairs += q * (c + q / 2.0)
+            comp = (self.flops_per_token * tokens + self.head_flops_per_seq * seqs
+                    + self.attn_flops_per_pair * pairs) / self.peak
+        else:  # attention at its own rates: pairs against the cache, and within each chunk
+            chunk = 0.0
+            for q, c in prefills:
+                seqs += 1
+                tokens += q
+                ctx += c + q
+                pairs += q * c
+                chunk += q * q / 2.0
+            comp = ((self.flops_per_token * tokens + self.head_flops_per_seq * seqs) / self.peak
+                    + self.attn_cached_s_per_pair * pairs + self.attn_chunk_s_per_pair * chunk)
         mem = (self.weight_bytes + self.kv_bytes_per_token * ctx) / self.bw
-        comp = (self.flops_per_token * tokens + self.head_flops_per_seq * seqs
-                + self.attn_flops_per_pair * pairs) / self.peak
         fixed = self.step_overhead_s + self.per_seq_overhead_s * seqs
         if self.comm_step_s or self.comm_per_token_s:  # tensor parallel (kept out on one GPU: same bits)
             fixed += self.comm_step_s + self.comm_per_token_s * tokens
@@ -135,8 +167,12 @@ class StepTimeModel:
         mem0 = (self.weight_bytes + self.kv_bytes_per_token * ctx0) / self.bw
         mem_slope = self.kv_bytes_per_token * n / self.bw
         per_decode = self.flops_per_token + self.head_flops_per_seq  # one token and one sampled position
-        comp0 = (per_decode * n + self.attn_flops_per_pair * ctx0) / self.peak
-        comp_slope = self.attn_flops_per_pair * n / self.peak
+        if self.attn_cached_s_per_pair is None:
+            comp0 = (per_decode * n + self.attn_flops_per_pair * ctx0) / self.peak
+            comp_slope = self.attn_flops_per_pair * n / self.peak
+        else:  # a decode token's pairs are all against the cache
+            comp0 = per_decode * n / self.peak + self.attn_cached_s_per_pair * ctx0
+            comp_slope = self.attn_cached_s_per_pair * n
         last = k - 1
         for t0, slope, o0, oslope in ((mem0, mem_slope, comp0, comp_slope), (comp0, comp_slope, mem0, mem_slope)):
             if t0 >= o0 and t0 + slope * last >= o0 + oslope * last:  # one term bounds every step
@@ -156,7 +192,10 @@ class StepTimeModel:
                 return out.tolist()
         ctx = ctx0 + n * np.arange(k, dtype=np.float64)
         mem = (self.weight_bytes + self.kv_bytes_per_token * ctx) / self.bw
-        comp = (per_decode * n + self.attn_flops_per_pair * ctx) / self.peak
+        if self.attn_cached_s_per_pair is None:
+            comp = (per_decode * n + self.attn_flops_per_pair * ctx) / self.peak
+        else:
+            comp = per_decode * n / self.peak + self.attn_cached_s_per_pair * ctx
         return np.cumsum(share * (fixed + np.maximum(mem, comp))).tolist()
 
     def prefill_time(self, tokens: int, context: int = 0) -> float:
@@ -167,12 +206,34 @@ class StepTimeModel:
         """
         if tokens <= 0:
             return 0.0
-        pairs = tokens * (context + tokens / 2.0)
-        compute = (self.flops_per_token * tokens + self.head_flops_per_seq
-                   + self.attn_flops_per_pair * pairs) / self.peak
+        if self.attn_cached_s_per_pair is None:
+            pairs = tokens * (context + tokens / 2.0)
+            compute = (self.flops_per_token * tokens + self.head_flops_per_seq
+                       + self.attn_flops_per_pair * pairs) / self.peak
+        else:
+            compute = ((self.flops_per_token * tokens + self.head_flops_per_seq) / self.peak
+                       + self.attn_cached_s_per_pair * tokens * context
+                       + self.attn_chunk_s_per_pair * tokens * tokens / 2.0)
         if self.comm_per_token_s:  # the tokens' share of the all-reduces' transfers
             compute += self.comm_per_token_s * tokens
         return compute
+
+
+def attention_rates(attn_flops_per_pair: float, nominal_peak: float, cached_efficiency: float | None,
+                    chunk_efficiency: float | None) -> dict[str, float | None]:
+    """:class:`StepTimeModel`'s seconds per attention pair at ``nominal_peak`` (FLOP/s) times
+    each efficiency: against cached KV and within a prefill chunk. Both or neither: a
+    profile with one alone is an error (which rate would the other pairs run at?)."""
+    if cached_efficiency is None and chunk_efficiency is None:
+        return {"attn_cached_s_per_pair": None, "attn_chunk_s_per_pair": None}
+    if cached_efficiency is None or chunk_efficiency is None:
+        raise ValueError("attn_cached_efficiency and attn_chunk_efficiency come together: "
+                         f"got {cached_efficiency!r} and {chunk_efficiency!r}")
+    for name, eff in (("attn_cached_efficiency", cached_efficiency), ("attn_chunk_efficiency", chunk_efficiency)):
+        if not eff > 0:
+            raise ValueError(f"{name} must be above 0, got {eff!r}")
+    return {"attn_cached_s_per_pair": attn_flops_per_pair / (nominal_peak * cached_efficiency),
+            "attn_chunk_s_per_pair": attn_flops_per_pair / (nominal_peak * chunk_efficiency)}
 
 
 def allreduces_per_step(model: Model) -> int:

@@ -145,14 +145,17 @@ def predict(o: Observation, model: Model, gpu: Gpu, coef: dict[str, float]) -> f
     return 1e3 * _roofline(per_layer_kv * q, attn * q * q / 2.0, bw, peak)
 
 
-def step_model(model: Model, bw: float, peak: float, coef: dict[str, float]) -> StepTimeModel:
+def step_model(model: Model, bw: float, peak: float, coef: dict[str, float],
+               attention: dict[str, float | None] | None = None) -> StepTimeModel:
     """The simulator's step-time model of ``model`` at effective ``bw`` (bytes/s) and ``peak``
-    (FLOP/s) with ``coef``'s overheads: what every fit here predicts through."""
+    (FLOP/s) with ``coef``'s overheads, and attention at ``attention``'s rates
+    (:func:`kvroute.costmodel.attention_rates`; None: the body's): what every fit here predicts through."""
     return StepTimeModel(
         weight_bytes=model.read_bytes_per_step, kv_bytes_per_token=model.kv_bytes_per_token,
         flops_per_token=2.0 * model.body_params, head_flops_per_seq=2.0 * model.head_params,
         attn_flops_per_pair=4.0 * model.layers * model.heads * model.head_dim, bw=bw, peak=peak,
-        step_overhead_s=coef["step_overhead_ms"] * 1e-3, per_seq_overhead_s=coef["per_seq_overhead_ms"] * 1e-3)
+        step_overhead_s=coef["step_overhead_ms"] * 1e-3, per_seq_overhead_s=coef["per_seq_overhead_ms"] * 1e-3,
+        **(attention or {}))
 
 
 def fit_least_squares(residuals, x0, lo, hi) -> tuple[np.ndarray, np.ndarray]:

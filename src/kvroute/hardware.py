@@ -149,6 +149,12 @@ class Coefficients:
     #: asks every worker to render each request first; vLLM refuses), on that worker's core;
     #: measured by the CPU probes, 0 where unmeasured (kvroute.sim.cluster)
     api_refused_request_ms: float = 0.0
+    #: attention's own effective rates, as fractions of the nominal peak like
+    #: ``compute_efficiency``: its pairs against cached KV (a later chunk's, a decode token's)
+    #: and its causal pairs within a prefill chunk; both fitted by the CPU probes, None (the
+    #: body's rate, ``compute_efficiency``) where unmeasured (kvroute.costmodel)
+    attn_cached_efficiency: float | None = None
+    attn_chunk_efficiency: float | None = None
 
     def client_request_s(self, prompt_tokens: int) -> float:
         """The client's CPU seconds for routing and sending one request of ``prompt_tokens``."""

@@ -54,16 +54,18 @@ import datetime as dt
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kvroute.costmodel import GBPS, TFLOP, StepTimeModel
+from kvroute.costmodel import GBPS, TFLOP, StepTimeModel, attention_rates
 from kvroute.gpufit import fit_least_squares, signed_percent, step_model
 from kvroute.hardware import Hardware
 from kvroute.live.probe import ProbePlan, ProbeRequest
 
-FITTED = ("compute_efficiency", "mem_efficiency", "step_overhead_ms", "per_seq_overhead_ms")
+#: attention's own rates (kvroute.costmodel): against cached KV, and within a prefill chunk
+ATTENTION = ("attn_cached_efficiency", "attn_chunk_efficiency")
+FITTED = ("compute_efficiency", "mem_efficiency", "step_overhead_ms", "per_seq_overhead_ms", *ATTENTION)
 #: fitted beside them: what a request's first (prefill) step costs beyond a step of its tokens
 ADMISSION = "admission_ms"
 PER_TOKEN = "api_per_prompt_token_ms"
@@ -73,7 +75,9 @@ MEASURED = ("api_overhead_ms", "api_jitter_ms", PER_TOKEN, BUSY)
 #: core, not a datasheet's, so an efficiency may pass 1 (the nominal figure is then low)
 BOUNDS = {"compute_efficiency": (0.01, 20.0, 0.5), "mem_efficiency": (0.01, 20.0, 0.5),
           "step_overhead_ms": (0.0, 200.0, 5.0), "per_seq_overhead_ms": (0.0, 50.0, 0.5),
-          ADMISSION: (0.0, 200.0, 2.0)}
+          ADMISSION: (0.0, 200.0, 2.0),
+          # started at compute_efficiency's start: the fit begins from attention at the body's rate
+          **dict.fromkeys(ATTENTION, (0.01, 50.0, 0.5))}
 BOOTSTRAP = 2000
 
 
@@ -110,8 +114,11 @@ def predict(o: Observation, model: StepTimeModel, budget: int, admission_ms: flo
 
 
 def model_at(hw: Hardware, coef: dict[str, float]) -> StepTimeModel:
-    return step_model(hw.model, hw.mem_bw_gbps * GBPS * coef["mem_efficiency"],
-                      hw.tflops * TFLOP * coef["compute_efficiency"], coef)
+    """The simulator's step model of ``hw`` at ``coef`` (attention at the body's rate where
+    ``coef`` gives it none)."""
+    m = step_model(hw.model, hw.mem_bw_gbps * GBPS * coef["mem_efficiency"],
+                   hw.tflops * TFLOP * coef["compute_efficiency"], coef)
+    return replace(m, **attention_rates(m.attn_flops_per_pair, hw.tflops * TFLOP, *(coef.get(k) for k in ATTENTION)))
 
 
 # -- from probe requests to samples -------------------------------------------------------------
@@ -619,6 +626,10 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "worker before routing a request and plain vLLM refuses), over batches sent to the idle workers "
             "(probed.refused; se: the larger of the batches' and a leave-one-worker-out jackknife); the "
             "simulator charges it to every worker's core for each request a policy that asks them routes",
+            "attn_cached_efficiency and attn_chunk_efficiency are attention's effective rates as fractions of "
+            "the nominal peak, fitted with the step coefficients: its query x key pairs against KV already in "
+            "the cache (a later chunk's, a decode token's) and its causal pairs within a prefill chunk; vLLM's "
+            "CPU build runs them through different kernels, neither at the body's rate",
             "activation_reserve_gb is kept from the profile's entry: the cpu profile gives its KV budget directly",
         ],
         "rms_log_error": _sig(fit.rms_log_error()),
