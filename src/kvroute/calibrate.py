@@ -86,7 +86,8 @@ class Fit:
                  f"{self.loss_before:.4f} -> {self.loss_after:.4f} ({self.evaluations} simulations)",
                  f"{self.family}:"]
         for f in fields(Coefficients):
-            lines.append(f"  {f.name}: {float(getattr(self.fitted, f.name)):.6g}")
+            if (value := getattr(self.fitted, f.name)) is not None:  # attention's own rates: unset on most families
+                lines.append(f"  {f.name}: {float(value):.6g}")
         return "\n".join(lines) + "\n"
 
 
