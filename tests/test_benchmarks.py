@@ -130,19 +130,3 @@ def test_gateway_latency_benchmark_rejects_an_unknown_load():
                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert out.returncode == 2 and "--loads: unknown load(s) burst" in out.stderr
 
-
-def test_client_interference_reads_k_as_the_engines_lost_time_per_client_cpu():
-    """benchmarks/client_interference.py's arithmetic: an engine that loses exactly the
-    client's CPU time has k = 1; one slowed more than the client's share has k > 1."""
-    import importlib.util
-
-    import pytest
-
-    spec = importlib.util.spec_from_file_location("client_interference", ROOT / "benchmarks/client_interference.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    whole = bench.interference(itl_beside_ms=5.0, itl_alone_ms=4.0, cpu_s=0.2, wall_s=1.0)
-    assert whole["share"] == pytest.approx(0.2) and whole["cpu_only"] == pytest.approx(1.25)
-    assert whole["slowdown"] == pytest.approx(1.25) and whole["k"] == pytest.approx(1.0)
-    more = bench.interference(itl_beside_ms=5.2, itl_alone_ms=4.3, cpu_s=0.094, wall_s=0.70)
-    assert more["slowdown"] > more["cpu_only"] and more["k"] > 1.0

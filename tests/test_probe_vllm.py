@@ -105,3 +105,24 @@ def test_the_refused_phase_measures_what_a_refusal_costs_a_worker(probed):
     assert sum(b["cpu_ms"] for b in batches) > 0
     fit = fit_probes(requests, hw, plan_facts(PLAN, hw) | facts)
     assert 0 < fit.coefficients["api_refused_request_ms"] < 20 and fit.errors["api_refused_request_ms"] > 0
+
+
+def test_the_interference_phase_pins_the_client_beside_each_engine_in_turn(probed):
+    """The last session's interference batches: the client pinned to each worker's core in
+    turn, every engine's ITL read from its own histogram over each batch; the fit states
+    what a second of the client's CPU costs the engine beside it, with an error, and the
+    engines are slower with the client beside them than without it."""
+    hw, requests, facts = probed
+    rows = facts["interference"]
+    assert [(r["rep"], r["client"]) for r in rows] == [(rep, w) for rep in range(PLAN.interference_repetitions)
+                                                       for w in hw.worker_names]
+    assert all(r["errors"] == 0 and r["cpu_s"] > 0 and len(r["itl_ms"]) == hw.workers and all(r["itl_ms"])
+               for r in rows), rows
+    beside = [r["itl_ms"][int(r["client"][1:])] for r in rows]
+    elsewhere = [r["itl_ms"][1 - int(r["client"][1:])] for r in rows]
+    assert sum(beside) > sum(elsewhere)  # what the client's wake-ups cost: real, not noise (share ~15%)
+    fit = fit_probes(requests, hw, plan_facts(PLAN, hw) | facts)
+    k = fit.measured["client_interference"]
+    assert 0 < k["value"] < 10 and k["se"] > 0, k
+    entry = coefficient_entry(fit, hw)[hw.coefficients_name]
+    assert Coefficients(**coefficient_values(entry)).client_interference == entry["client_interference"]

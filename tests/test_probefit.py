@@ -9,8 +9,9 @@ from click.testing import CliRunner
 from kvroute.cli import main
 from kvroute.hardware import load_hardware
 from kvroute.live.probe import ProbePlan, ProbeRequest
-from kvroute.probefit import (CLIENT, FITTED, REFUSED, Observation, client_costs, coefficient_entry, collect,
-                              fit_probes, model_at, observation_table, predict, refused_cost)
+from kvroute.probefit import (CLIENT, FITTED, INTERFERENCE, REFUSED, Observation, client_costs, client_interference,
+                              coefficient_entry, collect, fit_probes, interference, model_at, observation_table,
+                              paired_interference, predict, refused_cost)
 
 TRUTH = {"compute_efficiency": 1.3, "mem_efficiency": 0.8, "step_overhead_ms": 3.0, "per_seq_overhead_ms": 0.25,
          "attn_cached_efficiency": 0.9, "attn_chunk_efficiency": 2.5}
@@ -367,3 +368,62 @@ def test_a_refusals_cost_is_the_mean_per_request_and_reaches_the_entry():
     assert entry[REFUSED] == pytest.approx(0.6, rel=0.2) and entry["provenance"]["measured"][REFUSED]["se"] > 0
     bare = coefficient_entry(fit_probes(synthetic_requests(), HW, {"workers": 2}), HW)[HW.coefficients_name]
     assert REFUSED not in bare
+
+
+def interference_batches(k: float = 1.5, share: float = 0.2, core: tuple[float, float] = (4.4, 4.0), reps: int = 4,
+                         noise_ms: float = 0.0, seed: int = 3) -> list[dict]:
+    """What the probe's interference phase records from engines whose own ITL is ``core`` (a
+    slower first core) and that lose ``k`` times the client's CPU share of their time when
+    it is beside them: ITL x 1 / (1 - k x share)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for rep in range(reps):
+        for where in ("w0", "w1"):
+            itl = [c / (1.0 - k * share) if f"w{e}" == where else c for e, c in enumerate(core)]
+            rows.append({"rep": rep, "client": where, "itl_ms": [x + rng.normal(0, noise_ms) for x in itl],
+                         "cpu_s": share, "wall_s": 1.0, "errors": 0})
+    return rows
+
+
+def test_interference_reads_k_as_the_engines_lost_time_per_client_cpu():
+    """An engine that loses exactly the client's CPU time has k = 1; slowed more, k > 1."""
+    whole = interference(itl_beside_ms=5.0, itl_alone_ms=4.0, cpu_s=0.2, wall_s=1.0)
+    assert whole["share"] == pytest.approx(0.2) and whole["cpu_only"] == pytest.approx(1.25)
+    assert whole["slowdown"] == pytest.approx(1.25) and whole["k"] == pytest.approx(1.0)
+    more = interference(itl_beside_ms=5.2, itl_alone_ms=4.3, cpu_s=0.094, wall_s=0.70)
+    assert more["slowdown"] > more["cpu_only"] and more["k"] > 1.0
+
+
+def test_client_interference_pairs_each_engine_with_itself_so_a_slower_core_is_not_the_clients():
+    """w0's core 10% slower than w1's on its own: comparing the engine beside the client with
+    the other engine would read that as the client's cost; the probe's k compares each
+    engine with itself with the client elsewhere, and recovers the engines' k exactly."""
+    rows = interference_batches(k=1.0)
+    unpaired = interference(rows[0]["itl_ms"][0], rows[0]["itl_ms"][1], 0.2, 1.0)["k"]
+    assert unpaired > 1.3
+    pairs = paired_interference(rows)
+    assert [(p["rep"], p["engine"]) for p in pairs] == [(r, w) for r in range(4) for w in ("w0", "w1")]
+    assert [p["alone"] for p in pairs[:2]] == pytest.approx([4.4, 4.0])
+    assert [p["k"] for p in pairs] == pytest.approx([1.0] * 8)
+    k = client_interference(interference_batches(k=1.6))[INTERFERENCE]
+    assert k["value"] == pytest.approx(1.6) and k["se"] == pytest.approx(0.0, abs=1e-9)
+    noisy = client_interference(interference_batches(k=1.6, noise_ms=0.15))[INTERFERENCE]
+    assert noisy["se"] > 0 and noisy["dof"] >= 1 and abs(noisy["value"] - 1.6) < 4 * noisy["se"]
+    # a batch with errors is left out with its pairs; too few pairs measure nothing
+    bad = interference_batches(k=1.6)
+    bad[0] = dict(bad[0], errors=3, itl_ms=[50.0, 4.0])
+    assert len(paired_interference(bad)) == 6 and client_interference(bad)[INTERFERENCE]["value"] == pytest.approx(1.6)
+    assert client_interference(interference_batches(reps=1)) == {}
+
+
+def test_the_client_interference_reaches_the_entry_and_the_hardware():
+    fit = fit_probes(synthetic_requests(), HW, {"workers": 2, "interference": interference_batches(k=1.4)})
+    entry = coefficient_entry(fit, HW)[HW.coefficients_name]
+    assert entry[INTERFERENCE] == pytest.approx(1.4) and INTERFERENCE in entry["provenance"]["measured"]
+    bare = coefficient_entry(fit_probes(synthetic_requests(), HW, {"workers": 2}), HW)[HW.coefficients_name]
+    assert INTERFERENCE not in bare
+    from kvroute.hardware import Coefficients
+    from kvroute.hardware import coefficient_values
+
+    c = Coefficients(**coefficient_values(entry))
+    assert c.client_interference == pytest.approx(1.4) and c.client_charge_s(0.01) == pytest.approx(0.014)

@@ -201,6 +201,23 @@ def test_the_clients_cpu_slows_only_the_engine_on_its_core():
     assert free.client_core is None and same.equals(base)
 
 
+def test_the_client_interference_scales_what_the_clients_cpu_costs_its_engine():
+    """client_interference k: each second of the client's CPU costs the engine beside it k
+    seconds. k = 0 charges nothing (the records of a run without client costs); k = 2 is
+    the same run as k = 1 with every client cost doubled; k = 1 is the default."""
+    assert load_hardware("cpu").coefficients.client_interference == 1.0
+    _, _, base = _client_run(_cpu())
+    _, _, none = _client_run(_cpu(**CLIENT, client_interference=0.0))
+    assert none.equals(base)
+    _, _, twice = _client_run(_cpu(**CLIENT, client_interference=2.0))
+    _, _, doubled = _client_run(_cpu(**{k: 2 * v for k, v in CLIENT.items()}))
+    _, _, once = _client_run(_cpu(**CLIENT))
+    for col in ("ttft_ms", "e2e_ms", "finish_s"):
+        assert twice[col].tolist() == pytest.approx(doubled[col].tolist(), rel=1e-9, abs=1e-9), col
+    w1 = twice.worker == "w1"
+    assert twice.loc[w1, "finish_s"].max() > once.loc[w1, "finish_s"].max() > base.loc[w1, "finish_s"].max()
+
+
 class _AskingByChat(_ByChat):
     """_ByChat that first asks every worker, as vllm-router's cache_aware asks each to render."""
 

@@ -145,6 +145,10 @@ class Coefficients:
     client_cpu_per_request_ms: float = 0.0
     client_cpu_per_prompt_token_ms: float = 0.0
     client_cpu_per_token_ms: float = 0.0
+    #: the engine time each second of that client CPU costs the engine on its core (wake-ups
+    #: and a shared cache cost it more than the second itself); measured by the CPU probes'
+    #: interference batches, 1 (exactly the client's CPU time) where unmeasured
+    client_interference: float = 1.0
     #: a worker's CPU for a request it answers without serving it (vllm-router's cache_aware
     #: asks every worker to render each request first; vLLM refuses), on that worker's core;
     #: measured by the CPU probes, 0 where unmeasured (kvroute.sim.cluster)
@@ -159,6 +163,10 @@ class Coefficients:
     def client_request_s(self, prompt_tokens: int) -> float:
         """The client's CPU seconds for routing and sending one request of ``prompt_tokens``."""
         return (self.client_cpu_per_request_ms + self.client_cpu_per_prompt_token_ms * prompt_tokens) * 1e-3
+
+    def client_charge_s(self, cpu_s: float) -> float:
+        """The engine time ``cpu_s`` of the client's CPU costs the engine whose core it shares."""
+        return cpu_s * max(self.client_interference, 0.0)
 
     def api_work_s(self, drawn_s: float, prompt_tokens: int) -> float:
         """One request's API-server delay in seconds beside an idle engine: its draw in

@@ -45,7 +45,10 @@ streamed token (client gap less the engine's) is reported; the simulator has no 
 The client (the gateway and the load generator, one process) costs CPU too, per request
 routed, per prompt token and per streamed token, and on the CPU build it runs on a worker's
 core (``engine.client_worker``). The probe's client batches (:func:`client_costs`) measure it
-through a gateway of the probe's own; the simulator charges it to that worker's engine.
+through a gateway of the probe's own; the simulator charges it to that worker's engine,
+times ``client_interference`` (:func:`client_interference`): the engine time each second of
+it costs the engine beside it, from the probe's interference batches (each engine's own
+inter-token latency with the client beside it and elsewhere).
 """
 
 from __future__ import annotations
@@ -401,6 +404,56 @@ def refused_cost(batches: Sequence[dict]) -> dict[str, dict[str, float]]:
     return {REFUSED: _mean_with_errors(xs, [(0, b["worker"], b["rep"]) for b in ok])}
 
 
+#: the engine time a second of the client's CPU beside it costs (:func:`client_interference`)
+INTERFERENCE = "client_interference"
+
+
+def interference(itl_beside_ms: float, itl_alone_ms: float, cpu_s: float, wall_s: float) -> dict[str, float]:
+    """An engine's slowdown beside the client (its ITL there over its ITL without it), the
+    client's share of a core (CPU over wall seconds), the slowdown that share alone explains
+    if the engine lost exactly the client's CPU time (1 / (1 - share)), and k, the engine's
+    lost share of time over the client's share (1: exactly its CPU time)."""
+    slowdown = itl_beside_ms / itl_alone_ms
+    share = cpu_s / wall_s
+    return {"slowdown": slowdown, "share": share, "cpu_only": 1.0 / (1.0 - share),
+            "k": (1.0 - 1.0 / slowdown) / share if share > 0 else float("nan")}
+
+
+def paired_interference(rows: Sequence[dict]) -> list[dict]:
+    """Per repetition and engine of the probe's interference batches
+    (:func:`kvroute.live.probe.interference_probe`): :func:`interference` of its ITL with the
+    client pinned beside it (placement named for its worker) against its own ITL with the
+    client pinned beside another worker in the same repetition. Comparing an engine with
+    itself, not with the other engine, keeps a difference between the cores (another
+    tenant's load, interrupts) from reading as the client's cost. Batches with errors are left out."""
+    out = []
+    for rep in sorted({r["rep"] for r in rows}):
+        by = {r["client"]: r for r in rows if r["rep"] == rep and not r.get("errors")}
+        names = [f"w{i}" for i in range(max((len(r["itl_ms"]) for r in by.values()), default=0))]
+        for e, name in enumerate(names):
+            others = [o for o in names if o != name and o in by]
+            if name not in by or not others:
+                continue
+            beside = by[name]["itl_ms"][e]
+            alone = [by[o]["itl_ms"][e] for o in others if by[o]["itl_ms"][e]]
+            if not beside or not alone:
+                continue
+            f = interference(beside, float(np.mean(alone)), by[name]["cpu_s"], by[name]["wall_s"])
+            out.append({"rep": rep, "engine": name, "alone": float(np.mean(alone)), "beside": beside} | f)
+    return out
+
+
+def client_interference(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """``client_interference``: the mean k of :func:`paired_interference` with the larger of
+    its within-run error and the jackknives over repetitions and engines
+    (:func:`_mean_with_errors`). Empty with fewer than three pairs."""
+    pairs = [p for p in paired_interference(rows) if math.isfinite(p["k"])]
+    if len(pairs) < 3:
+        return {}
+    xs = np.array([p["k"] for p in pairs], float)
+    return {INTERFERENCE: _mean_with_errors(xs, [(0, p["engine"], p["rep"]) for p in pairs])}
+
+
 def client_costs(batches: Sequence[dict]) -> dict[str, dict[str, float]]:
     """The client's CPU per request, per prompt token and per streamed token, from the
     probe's client batches (:func:`kvroute.live.probe.client_probe`): least squares of each
@@ -520,7 +573,8 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
                                         "dof": pt.size - 1.0}
     # what the client and the refused requests cost (phases of the probe's last session)
     facts = probed or {}
-    cpu_costs = client_costs(facts.get("client") or []) | refused_cost(facts.get("refused") or [])
+    cpu_costs = (client_costs(facts.get("client") or []) | client_interference(facts.get("interference") or [])
+                 | refused_cost(facts.get("refused") or []))
     measured |= cpu_costs
     coefficients = coef | {k: est[k] for k in MEASURED} | {k: v["value"] for k, v in cpu_costs.items()}
     errors = {k: se[k] for k in (*FITTED, *MEASURED)} | {k: v["se"] for k, v in cpu_costs.items()}
@@ -576,7 +630,7 @@ def _stated(value: float, se: float, dof: float) -> dict[str, float]:
 def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) -> dict[str, dict]:
     """The fit as a ``hardware/coefficients.yaml`` entry of ``hw``'s family, with its provenance."""
     c = fit.coefficients
-    entry: dict = {k: _sig(c[k]) for k in (*FITTED, *MEASURED, *CLIENT, REFUSED) if k in c}
+    entry: dict = {k: _sig(c[k]) for k in (*FITTED, *MEASURED, *CLIENT, INTERFERENCE, REFUSED) if k in c}
     entry["activation_reserve_gb"] = float(hw.coefficients.activation_reserve_gb)
     e = hw.engine
     entry["provenance"] = {
@@ -621,6 +675,13 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "no intercept, at least 0 (se: the larger of the fit's and a leave-one-repetition-out jackknife); "
             "the simulator charges that work to the core of engine.client_worker, where kvroute measure pins "
             "the process",
+            "client_interference is the engine time a second of that CPU costs the engine beside it: per "
+            "repetition and engine of the interference batches (probed.interference: full batches of 64-token "
+            "chats with the process pinned beside each worker in turn), k = (1 - ITL alone / ITL beside) / "
+            "(client CPU / wall), its ITL with the client beside it against its own with the client on the other "
+            "core (engine-core timestamps); the mean over those pairs (se: the larger of theirs and the "
+            "jackknives over repetitions and engines); 1 would be exactly the client's CPU time; the simulator "
+            "multiplies the client's charge by it",
             "api_refused_request_ms is the CPU time of a worker's process tree per request it answers "
             "without serving it (POST /v1/chat/completions/render, which vllm-router's cache_aware sends every "
             "worker before routing a request and plain vLLM refuses), over batches sent to the idle workers "

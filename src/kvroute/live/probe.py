@@ -37,6 +37,12 @@ repetition is one stretch of time:
   this process spends per request, per prompt token and per streamed token. On the CPU
   build that work runs on a worker's core, beside its engine.
 
+* ``interference`` (the last session only, :func:`interference_probe`): full batches of
+  64-token chats through the same gateway with this process pinned to each worker's core in
+  turn: each engine's inter-token latency with the client beside it and with the client on
+  the other core, which says how much engine time a second of the client's CPU costs (more
+  than the second itself where wake-ups and a shared cache cost the engine too).
+
 * ``refused`` (the last session only, :func:`refused_probe`): requests each idle worker
   answers without serving them, as vllm-router's cache_aware asks every worker to render
   each request before routing it (vLLM refuses); the CPU of the worker's process tree per
@@ -109,6 +115,10 @@ class ProbePlan:
     client_requests: int = 16  # chats per batch
     client_concurrency: int | None = None  # chats in flight (default: every worker's max_num_seqs, a full batch)
     client_kinds: tuple[tuple[int, int], ...] = ((4, 2), (4, 64), (1000, 2))  # (words, tokens out) per batch kind
+    # the interference phase (last session only): full batches of (words, tokens) chats with the
+    # client pinned beside each worker in turn (interference_probe)
+    interference_repetitions: int = 4  # batches per placement (0: no interference phase)
+    interference_kind: tuple[int, int] = (4, 64)
     # the refused phase (last session only): requests each worker's API server answers without
     # serving them, as vllm-router's cache_aware sends every worker before routing (refused_probe)
     refused_repetitions: int = 4  # batches per worker (0: no refused phase)
@@ -127,6 +137,9 @@ class ProbePlan:
                 w < 1 or t < 1 for w, t in self.client_kinds):
             raise ValueError("a probe plan's client phase needs client_repetitions >= 0, client_requests >= 1 and "
                              "positive (words, tokens) kinds")
+        if self.interference_repetitions < 0 or min(self.interference_kind) < 1 or self.interference_kind[1] < 8:
+            raise ValueError("a probe plan's interference phase needs interference_repetitions >= 0 and a "
+                             "(words, tokens) kind with at least 8 tokens out")
         if self.refused_repetitions < 0 or self.refused_requests < 1:
             raise ValueError("a probe plan's refused phase needs refused_repetitions >= 0 and refused_requests >= 1")
 
@@ -453,6 +466,58 @@ def client_probe(engines, hw, plan: ProbePlan, nonce: str = "") -> list[dict]:
     return rows
 
 
+def _itl_sums(url: str) -> tuple[float, float]:
+    """(seconds, tokens) of an engine's inter-token latency histogram so far (engine-core clock)."""
+    import urllib.request
+
+    wanted = {k: v for k, v in PROBE_SAMPLES.items() if v in ("itl_s", "itl_tokens")}
+    page = urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10).read().decode()
+    v = parse_metrics("\n".join(line for line in page.splitlines() if line.startswith(tuple(wanted))), wanted)
+    if len(v) < len(wanted):
+        raise EngineError(f"{url}: /metrics has no vllm:inter_token_latency_seconds histogram")
+    return v["itl_s"], v["itl_tokens"]
+
+
+def interference_probe(engines, hw, plan: ProbePlan, placements: dict[str, list[int]] | None = None,
+                       nonce: str = "") -> list[dict]:
+    """The interference phase: how much engine time the client's CPU costs the engine beside it.
+
+    ``plan.interference_repetitions`` times, for each placement of this process (default:
+    pinned to each worker's CPUs in turn, ``"w0"``, ``"w1"``, ...), ``plan.client_requests``
+    single-turn chats of ``plan.interference_kind`` (words in, tokens out) through a
+    round-robin kvroute gateway, a full batch on every engine at once. A row per batch:
+    the placement, each engine's mean inter-token latency over it (``itl_ms``, from its
+    /metrics histogram: engine-core timestamps), this process's CPU and wall seconds and
+    failed requests. :func:`kvroute.probefit.client_interference` compares each engine
+    with the client beside it against itself with the client on another core.
+    """
+    from kvroute.live.measure import gateway_load
+    from kvroute.workload.trace import Conversation, Trace, Turn
+
+    nonce = nonce or f"{time.time_ns():x}"
+    if placements is None:
+        placements = {name: list(spec.cpus) for name, spec in zip(engines.names, engines.specs)}
+    concurrency = plan.client_concurrency or len(engines.urls) * hw.engine.max_num_seqs
+    words, tokens = plan.interference_kind
+    rows: list[dict] = []
+    for rep in range(plan.interference_repetitions):
+        for where, cpus in placements.items():
+            convs = tuple(Conversation(f"probe-interference:{nonce}:{rep}:{where}:{i}", "", 0, (Turn(words, tokens),))
+                          for i in range(plan.client_requests))
+            trace = Trace("probe-interference", "closed", convs, concurrency=concurrency)
+            with pinned_process(cpus):
+                before = [_itl_sums(u) for u in engines.urls]
+                result = asyncio.run(gateway_load(engines, hw, trace, CLIENT_POLICY, seed=0, redis_url=None,
+                                                  progress_every_s=None))
+                after = [_itl_sums(u) for u in engines.urls]
+            itl = [round(1e3 * (a[0] - b[0]) / (a[1] - b[1]), 4) if a[1] > b[1] else None
+                   for a, b in zip(after, before)]
+            rows.append({"rep": rep, "client": where, "itl_ms": itl, "cpu_s": round(result.cpu_s, 4),
+                         "wall_s": round(result.wall_s, 4),
+                         "errors": sum(1 for r in result.rows if r["status"] != "ok")})
+    return rows
+
+
 #: what vllm-router's cache_aware asks every worker before it routes a request (its render
 #: step); plain vLLM refuses it (403) unless started with --enable-scale-out (docs/live.md)
 REFUSED_PATH = "/v1/chat/completions/render"
@@ -553,6 +618,9 @@ def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = 
                 with pinned_process(eng.client_cpus(hw)) as cpus:
                     facts["client_cpus"] = cpus
                     facts["client"] = client_probe(eng, hw, plan)
+                if plan.interference_repetitions and hw.engine.client_worker is not None and eng.client_cpus(hw):
+                    eng.reset_prefix_cache()
+                    facts["interference"] = interference_probe(eng, hw, plan)
             t2 = time.monotonic()
         facts["startup_s"].append(round(t1 - t0, 1))
         facts["probe_s"].append(round(t2 - t1, 1))

@@ -402,8 +402,10 @@ class SimCluster:
         # worker client_core (engine.client_worker; kvroute measure pins it there): its CPU per
         # request routed and per token streamed, from any worker, as the probe measured it. It
         # runs as soon as it is woken (the kernel favours a sleeper over the engine's long
-        # compute), so that engine loses exactly that time while it is busy; on an idle core
-        # the work costs no engine anything. Charged as a debt the engine pays at its run's end.
+        # compute), so that engine loses that time times client_interference (the probe's
+        # measure of what each second of it costs the engine: wake-ups, a shared cache) while
+        # it is busy; on an idle core the work costs no engine anything. Charged as a debt the
+        # engine pays at its run's end.
         self.client_core: int | None = None
         #: per worker: CPU seconds other work owes that worker's core, paid by its engine at its
         #: run's end (the client's, and the refused requests of a policy that asks every worker)
@@ -412,7 +414,7 @@ class SimCluster:
         #: each worker's CPU for it, where the probes measured one (0: nothing to charge)
         self._refused_s = (c.api_refused_request_ms * 1e-3
                            if self.policy.asks_every_worker and self.api_shares_core else 0.0)
-        self._client_token_s = c.client_cpu_per_token_ms * 1e-3
+        self._client_token_s = c.client_charge_s(c.client_cpu_per_token_ms * 1e-3)
         if hw.engine.client_worker is not None and (c.client_cpu_per_request_ms > 0 or self._client_token_s > 0
                                                     or c.client_cpu_per_prompt_token_ms > 0):
             self.client_core = hw.engine.client_worker
@@ -502,7 +504,8 @@ class SimCluster:
         self.pending[rid] = Pending(conv, turn, i, env.now, done, later, uncached)
         ereq = EngineRequest(rid, prompt, output, hashes)
         if self.client_core is not None:  # routing and sending it
-            self.core_debt_s[self.client_core] += self.coefficients.client_request_s(prompt)
+            c = self.coefficients
+            self.core_debt_s[self.client_core] += c.client_charge_s(c.client_request_s(prompt))
         work = self.coefficients.api_work_s(self.api_delay_s[index][turn], prompt)
         if not self.api_shares_core:
             env.timeout(work).callbacks.append(lambda _ev: self._deliver(i, ereq))  # cheaper than a process
