@@ -31,8 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from client_interference import ROOT, engine_itl  # noqa: E402
+from kvroute.live.probe import engine_itl
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TOKENS = 64
 WORDS = 600  # a prompt about note2-cpu's context (its 600-word system prompt)

@@ -23,9 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvroute.live.probe import engine_itl
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from client_interference import ROOT, engine_itl  # noqa: E402
-from engine_interference import stream  # noqa: E402
+from engine_interference import ROOT, stream  # noqa: E402
 
 
 async def w0_itl(url: str, model: str, size: int, logprobs: bool) -> float:

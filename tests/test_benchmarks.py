@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -130,3 +132,41 @@ def test_gateway_latency_benchmark_rejects_an_unknown_load():
                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert out.returncode == 2 and "--loads: unknown load(s) burst" in out.stderr
 
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks").glob("*.py")), ids=lambda p: p.name)
+def test_every_benchmark_imports(path):
+    """Each benchmark loads as `python benchmarks/X.py` would (its folder on sys.path), so one
+    that imports a helper another benchmark no longer has fails here, not in `make bench`."""
+    import importlib.util
+
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
+
+
+def test_engine_restarts_tells_a_process_draw_from_noise_within_it():
+    """benchmarks/engine_restarts.py's arithmetic: starts 10% apart with reps 1% apart give
+    a between-start spread of 1.1 and a small ANOVA p; starts alike give p near 1."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("engine_restarts", ROOT / "benchmarks/engine_restarts.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    jitter = (1.0, 1.01, 0.995, 1.005)
+    drawn = [{"start": s, "rep": r, "worker": "w0", "itl_ms": base * j}
+             for s, base in enumerate((3.0, 3.3)) for r, j in enumerate(jitter)]
+    f = bench.spreads(drawn, "w0")
+    assert f["between"] == pytest.approx(1.1, rel=1e-3) and f["within"] == pytest.approx(1.01 / 0.995)
+    assert f["p"] < 1e-4
+    alike = [dict(r, itl_ms=3.0 * jitter[r["rep"]]) for r in drawn]
+    assert bench.spreads(alike, "w0")["p"] > 0.99

@@ -466,7 +466,7 @@ def client_probe(engines, hw, plan: ProbePlan, nonce: str = "") -> list[dict]:
     return rows
 
 
-def _itl_sums(url: str) -> tuple[float, float]:
+def engine_itl(url: str) -> tuple[float, float]:
     """(seconds, tokens) of an engine's inter-token latency histogram so far (engine-core clock)."""
     import urllib.request
 
@@ -506,10 +506,10 @@ def interference_probe(engines, hw, plan: ProbePlan, placements: dict[str, list[
                           for i in range(plan.client_requests))
             trace = Trace("probe-interference", "closed", convs, concurrency=concurrency)
             with pinned_process(cpus):
-                before = [_itl_sums(u) for u in engines.urls]
+                before = [engine_itl(u) for u in engines.urls]
                 result = asyncio.run(gateway_load(engines, hw, trace, CLIENT_POLICY, seed=0, redis_url=None,
                                                   progress_every_s=None))
-                after = [_itl_sums(u) for u in engines.urls]
+                after = [engine_itl(u) for u in engines.urls]
             itl = [round(1e3 * (a[0] - b[0]) / (a[1] - b[1]), 4) if a[1] > b[1] else None
                    for a, b in zip(after, before)]
             rows.append({"rep": rep, "client": where, "itl_ms": itl, "cpu_s": round(result.cpu_s, 4),
