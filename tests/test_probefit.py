@@ -9,9 +9,9 @@ from click.testing import CliRunner
 from kvroute.cli import main
 from kvroute.hardware import load_hardware
 from kvroute.live.probe import ProbePlan, ProbeRequest
-from kvroute.probefit import (CLIENT, FITTED, INTERFERENCE, REFUSED, Observation, client_costs, client_interference,
-                              coefficient_entry, collect, fit_probes, interference, model_at, observation_table,
-                              paired_interference, predict, refused_cost)
+from kvroute.probefit import (CLIENT, FITTED, INTERFERENCE, NEIGHBOUR, REFUSED, Observation, client_costs,
+                              client_interference, coefficient_entry, collect, fit_probes, interference, model_at,
+                              neighbour_slowdown, observation_table, paired_interference, predict, refused_cost)
 
 TRUTH = {"compute_efficiency": 1.3, "mem_efficiency": 0.8, "step_overhead_ms": 3.0, "per_seq_overhead_ms": 0.25,
          "attn_cached_efficiency": 0.9, "attn_chunk_efficiency": 2.5}
@@ -427,3 +427,29 @@ def test_the_client_interference_reaches_the_entry_and_the_hardware():
 
     c = Coefficients(**coefficient_values(entry))
     assert c.client_interference == pytest.approx(1.4) and c.client_charge_s(0.01) == pytest.approx(0.014)
+
+
+def neighbour_batches(slowdown: float = 1.1, reps: int = 4, noise_ms: float = 0.0, seed: int = 5) -> list[dict]:
+    """What the probe's neighbour phase records from workers of ITL 4.0 and 4.4 ms beside idle
+    neighbours that run ``slowdown`` times slower beside busy ones."""
+    rng = np.random.default_rng(seed)
+    return [{"rep": rep, "worker": w, "neighbour_busy": busy, "errors": 0,
+             "itl_ms": base * (slowdown if busy else 1.0) + rng.normal(0, noise_ms)}
+            for rep in range(reps) for w, base in (("w0", 4.0), ("w1", 4.4)) for busy in (False, True)]
+
+
+def test_the_neighbour_slowdown_is_each_workers_busy_over_idle_itl_and_reaches_the_entry():
+    exact = neighbour_slowdown(neighbour_batches(1.1))[NEIGHBOUR]
+    assert exact["value"] == pytest.approx(1.1) and exact["se"] == pytest.approx(0.0, abs=1e-9)
+    noisy = neighbour_slowdown(neighbour_batches(1.1, noise_ms=0.1))[NEIGHBOUR]
+    assert noisy["se"] > 0 and noisy["dof"] >= 1 and abs(noisy["value"] - 1.1) < 4 * noisy["se"]
+    bad = neighbour_batches(1.1)
+    bad[1] = dict(bad[1], errors=2, itl_ms=40.0)  # w0's busy batch of rep 0 failed: its pair is left out
+    assert neighbour_slowdown(bad)[NEIGHBOUR]["value"] == pytest.approx(1.1)
+    assert neighbour_slowdown(neighbour_batches(reps=1)) == {}
+    fit = fit_probes(synthetic_requests(), HW, {"workers": 2, "neighbour": neighbour_batches(1.08)})
+    entry = coefficient_entry(fit, HW)[HW.coefficients_name]
+    assert entry[NEIGHBOUR] == pytest.approx(1.08) and NEIGHBOUR in entry["provenance"]["measured"]
+    from kvroute.hardware import Coefficients, coefficient_values
+
+    assert Coefficients(**coefficient_values(entry)).neighbour_slowdown == pytest.approx(1.08)

@@ -218,6 +218,46 @@ def test_the_client_interference_scales_what_the_clients_cpu_costs_its_engine():
     assert twice.loc[w1, "finish_s"].max() > once.loc[w1, "finish_s"].max() > base.loc[w1, "finish_s"].max()
 
 
+class _AllOnW0(_ByChat):
+    """Every chat on w0: its neighbour w1 never runs."""
+
+    def __init__(self, trace):
+        self.worker = {c.id: "w0" for c in trace.conversations}
+
+
+def test_a_worker_whose_neighbours_are_idle_runs_neighbour_slowdown_times_faster():
+    """The probes time every term beside a busy neighbour and measure how much slower that
+    is (neighbour_slowdown s): a worker alone on the host runs its steps 1/s as long. With
+    every chat on w0, w0's engine is busy exactly 1/s as long as at s = 1; with chats on
+    both, its steps run faster only while w1 idles, so it is busy between the two; s = 1
+    (every GPU family) changes nothing."""
+    assert load_hardware("cpu").coefficients.neighbour_slowdown == 1.0
+    trace = generate("note2", 4, chats=8, turns=4, system_words=300, user_words=60, reply_tokens=32, ramp_s=1.0)
+
+    def run(hw, policy):
+        cluster = SimCluster(trace, hw, policy(trace), common_rng(4, 0), True)
+        rows = pd.DataFrame(cluster.run()).set_index(["conversation", "turn"]).sort_index()
+        return cluster, rows
+
+    s = 1.25
+    plain, base = run(_cpu(), _AllOnW0)
+    same, rows = run(_cpu(neighbour_slowdown=1.0), _AllOnW0)
+    assert rows.equals(base)
+    alone, fast = run(_cpu(neighbour_slowdown=s), _AllOnW0)
+    # faster steps change what the API server and the batches overlap, so only about 1/s here
+    assert plain.engines[0].busy_s / s <= alone.engines[0].busy_s < plain.engines[0].busy_s
+    assert alone.engines[1].busy_s == 0.0 and fast.e2e_ms.mean() < base.e2e_ms.mean()
+    one = generate("note2", 4, chats=1, turns=1, system_words=300, user_words=60, reply_tokens=32, ramp_s=1.0)
+    solo = [SimCluster(one, _cpu(neighbour_slowdown=x), _AllOnW0(one), common_rng(4, 0), True) for x in (1.0, s)]
+    for c in solo:
+        c.run()
+    assert solo[1].engines[0].busy_s == pytest.approx(solo[0].engines[0].busy_s / s, rel=1e-9)  # one request: exactly
+    both_plain, _ = run(_cpu(), _ByChat)
+    both, _ = run(_cpu(neighbour_slowdown=s), _ByChat)
+    for i in (0, 1):
+        assert both_plain.engines[i].busy_s / s < both.engines[i].busy_s < both_plain.engines[i].busy_s
+
+
 class _AskingByChat(_ByChat):
     """_ByChat that first asks every worker, as vllm-router's cache_aware asks each to render."""
 

@@ -149,6 +149,11 @@ class Coefficients:
     #: and a shared cache cost it more than the second itself); measured by the CPU probes'
     #: interference batches, 1 (exactly the client's CPU time) where unmeasured
     client_interference: float = 1.0
+    #: how much slower an engine's steps are while another engine of the host runs (the CPU
+    #: build: cores of one machine that slow each other); the CPU probes time every other
+    #: term beside a busy neighbour, so the simulator runs a worker whose neighbours are all
+    #: idle this many times faster; measured by the probes' neighbour batches, 1 where unmeasured
+    neighbour_slowdown: float = 1.0
     #: a worker's CPU for a request it answers without serving it (vllm-router's cache_aware
     #: asks every worker to render each request first; vLLM refuses), on that worker's core;
     #: measured by the CPU probes, 0 where unmeasured (kvroute.sim.cluster)

@@ -454,6 +454,28 @@ def client_interference(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
     return {INTERFERENCE: _mean_with_errors(xs, [(0, p["engine"], p["rep"]) for p in pairs])}
 
 
+#: how much slower an engine runs while another engine of the host runs (:func:`neighbour_slowdown`)
+NEIGHBOUR = "neighbour_slowdown"
+
+
+def neighbour_slowdown(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """``neighbour_slowdown``: per repetition and worker of the probe's neighbour batches
+    (:func:`kvroute.live.probe.neighbour_probe`), its ITL with its neighbour decoding over
+    its ITL with the neighbour idle; the mean with the larger of its standard error and the
+    jackknives over repetitions and workers (:func:`_mean_with_errors`). Batches with errors
+    are left out with their pair. Empty with fewer than three pairs."""
+    pairs = []
+    for rep in sorted({r["rep"] for r in rows}):
+        for w in sorted({r["worker"] for r in rows if r["rep"] == rep}):
+            by = {r["neighbour_busy"]: r for r in rows if r["rep"] == rep and r["worker"] == w and not r.get("errors")}
+            if by.get(True, {}).get("itl_ms") and by.get(False, {}).get("itl_ms"):
+                pairs.append((w, rep, by[True]["itl_ms"] / by[False]["itl_ms"]))
+    if len(pairs) < 3:
+        return {}
+    xs = np.array([x for _, _, x in pairs], float)
+    return {NEIGHBOUR: _mean_with_errors(xs, [(0, w, rep) for w, rep, _ in pairs])}
+
+
 def client_costs(batches: Sequence[dict]) -> dict[str, dict[str, float]]:
     """The client's CPU per request, per prompt token and per streamed token, from the
     probe's client batches (:func:`kvroute.live.probe.client_probe`): least squares of each
@@ -574,7 +596,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     # what the client and the refused requests cost (phases of the probe's last session)
     facts = probed or {}
     cpu_costs = (client_costs(facts.get("client") or []) | client_interference(facts.get("interference") or [])
-                 | refused_cost(facts.get("refused") or []))
+                 | neighbour_slowdown(facts.get("neighbour") or []) | refused_cost(facts.get("refused") or []))
     measured |= cpu_costs
     coefficients = coef | {k: est[k] for k in MEASURED} | {k: v["value"] for k, v in cpu_costs.items()}
     errors = {k: se[k] for k in (*FITTED, *MEASURED)} | {k: v["se"] for k, v in cpu_costs.items()}
@@ -630,7 +652,7 @@ def _stated(value: float, se: float, dof: float) -> dict[str, float]:
 def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) -> dict[str, dict]:
     """The fit as a ``hardware/coefficients.yaml`` entry of ``hw``'s family, with its provenance."""
     c = fit.coefficients
-    entry: dict = {k: _sig(c[k]) for k in (*FITTED, *MEASURED, *CLIENT, INTERFERENCE, REFUSED) if k in c}
+    entry: dict = {k: _sig(c[k]) for k in (*FITTED, *MEASURED, *CLIENT, INTERFERENCE, NEIGHBOUR, REFUSED) if k in c}
     entry["activation_reserve_gb"] = float(hw.coefficients.activation_reserve_gb)
     e = hw.engine
     entry["provenance"] = {
@@ -682,6 +704,13 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "core (engine-core timestamps); the mean over those pairs (se: the larger of theirs and the "
             "jackknives over repetitions and engines); 1 would be exactly the client's CPU time; the simulator "
             "multiplies the client's charge by it",
+            "neighbour_slowdown is how much slower an engine runs while another engine of the host runs: per "
+            "repetition and worker of the neighbour batches (probed.neighbour: a full batch straight to the worker "
+            "with every other worker idle and with them decoding full batches, alternating, this process pinned "
+            "to another worker's core), its ITL beside busy neighbours over its ITL beside idle ones; the mean "
+            "over those pairs (se: the larger of theirs and the jackknives over repetitions and workers). Every "
+            "other probe was timed beside a busy neighbour (the workers are probed side by side), so the "
+            "simulator runs a worker whose neighbours are all idle that many times faster",
             "api_refused_request_ms is the CPU time of a worker's process tree per request it answers "
             "without serving it (POST /v1/chat/completions/render, which vllm-router's cache_aware sends every "
             "worker before routing a request and plain vLLM refuses), over batches sent to the idle workers "

@@ -43,6 +43,12 @@ repetition is one stretch of time:
   the other core, which says how much engine time a second of the client's CPU costs (more
   than the second itself where wake-ups and a shared cache cost the engine too).
 
+* ``neighbour`` (the last session only, :func:`neighbour_probe`): a full batch on each
+  worker in turn, with the other worker idle and with it decoding batches of its own (this
+  process pinned to the other worker's core): how much slower an engine runs while its
+  neighbour on the same host runs. Every timed probe above ran beside a busy neighbour
+  (the workers are probed side by side).
+
 * ``refused`` (the last session only, :func:`refused_probe`): requests each idle worker
   answers without serving them, as vllm-router's cache_aware asks every worker to render
   each request before routing it (vLLM refuses); the CPU of the worker's process tree per
@@ -119,6 +125,10 @@ class ProbePlan:
     # client pinned beside each worker in turn (interference_probe)
     interference_repetitions: int = 4  # batches per placement (0: no interference phase)
     interference_kind: tuple[int, int] = (4, 64)
+    # the neighbour phase (last session only): a full batch of (words, tokens) chats on each
+    # worker with its neighbour idle and busy, in alternating order (neighbour_probe)
+    neighbour_repetitions: int = 4  # pairs of batches per worker (0: no neighbour phase)
+    neighbour_kind: tuple[int, int] = (128, 64)
     # the refused phase (last session only): requests each worker's API server answers without
     # serving them, as vllm-router's cache_aware sends every worker before routing (refused_probe)
     refused_repetitions: int = 4  # batches per worker (0: no refused phase)
@@ -139,6 +149,9 @@ class ProbePlan:
                              "positive (words, tokens) kinds")
         if self.interference_repetitions < 0 or min(self.interference_kind) < 1 or self.interference_kind[1] < 8:
             raise ValueError("a probe plan's interference phase needs interference_repetitions >= 0 and a "
+                             "(words, tokens) kind with at least 8 tokens out")
+        if self.neighbour_repetitions < 0 or min(self.neighbour_kind) < 1 or self.neighbour_kind[1] < 8:
+            raise ValueError("a probe plan's neighbour phase needs neighbour_repetitions >= 0 and a "
                              "(words, tokens) kind with at least 8 tokens out")
         if self.refused_repetitions < 0 or self.refused_requests < 1:
             raise ValueError("a probe plan's refused phase needs refused_repetitions >= 0 and refused_requests >= 1")
@@ -518,6 +531,63 @@ def interference_probe(engines, hw, plan: ProbePlan, placements: dict[str, list[
     return rows
 
 
+def neighbour_probe(engines, hw, plan: ProbePlan, nonce: str = "") -> list[dict]:
+    """The neighbour phase: how much slower an engine runs while another engine of the host runs.
+
+    ``plan.neighbour_repetitions`` times, for each worker in turn and with this process
+    pinned to another worker's CPUs (the client off the measured core): a full batch
+    (``max_num_seqs`` chats of ``plan.neighbour_kind``, words in and tokens out, sent
+    straight to the engine) with every other worker idle, and one while every other worker
+    decodes full batches of its own, back to back; the order alternates between repetitions
+    (against drift). A row per batch: worker, ``neighbour_busy``, the worker's mean
+    inter-token latency over it (``itl_ms``, its /metrics histogram) and failed requests.
+    :func:`kvroute.probefit.neighbour_slowdown` takes the ratio busy / idle.
+    """
+    from kvroute.live.engines import served_model_name
+    from kvroute.live.loadgen import run_load
+    from kvroute.workload.trace import Conversation, Trace, Turn
+
+    nonce = nonce or f"{time.time_ns():x}"
+    words, tokens = plan.neighbour_kind
+    size = hw.engine.max_num_seqs
+    model = served_model_name(hw)
+
+    def trace(tag: str) -> Trace:
+        convs = tuple(Conversation(f"probe-neighbour:{nonce}:{tag}:{i}", "", 0, (Turn(words, tokens),))
+                      for i in range(size))
+        return Trace("probe-neighbour", "closed", convs, concurrency=size)
+
+    async def one(e: int, busy: bool, tag: str) -> dict:
+        stop = asyncio.Event()
+
+        async def neighbours(j: int) -> None:
+            k = 0
+            while not stop.is_set():
+                await run_load(trace(f"{tag}:n{j}:{k}"), engines.urls[j], model=model, progress_every_s=None)
+                k += 1
+
+        others = [asyncio.create_task(neighbours(j)) for j in range(len(engines.urls)) if j != e] if busy else []
+        if others:
+            await asyncio.sleep(0.3)  # the neighbours in their decode steps before the batch starts
+        before = await asyncio.to_thread(engine_itl, engines.urls[e])
+        result = await run_load(trace(tag), engines.urls[e], model=model, progress_every_s=None)
+        after = await asyncio.to_thread(engine_itl, engines.urls[e])
+        stop.set()
+        await asyncio.gather(*others)
+        itl = round(1e3 * (after[0] - before[0]) / (after[1] - before[1]), 4) if after[1] > before[1] else None
+        return {"worker": engines.names[e], "neighbour_busy": busy, "itl_ms": itl,
+                "errors": sum(1 for r in result.rows if r["status"] != "ok")}
+
+    rows: list[dict] = []
+    for rep in range(plan.neighbour_repetitions):
+        for e in range(len(engines.urls)):
+            other = engines.specs[(e + 1) % len(engines.specs)]
+            with pinned_process(list(other.cpus)):
+                for busy in ((False, True) if rep % 2 == 0 else (True, False)):
+                    rows.append({"rep": rep} | asyncio.run(one(e, busy, f"{rep}:{e}:{int(busy)}")))
+    return rows
+
+
 #: what vllm-router's cache_aware asks every worker before it routes a request (its render
 #: step); plain vLLM refuses it (403) unless started with --enable-scale-out (docs/live.md)
 REFUSED_PATH = "/v1/chat/completions/render"
@@ -621,6 +691,9 @@ def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = 
                 if plan.interference_repetitions and hw.engine.client_worker is not None and eng.client_cpus(hw):
                     eng.reset_prefix_cache()
                     facts["interference"] = interference_probe(eng, hw, plan)
+                if plan.neighbour_repetitions and len(eng.urls) > 1 and eng.client_cpus(hw):
+                    eng.reset_prefix_cache()
+                    facts["neighbour"] = neighbour_probe(eng, hw, plan)
             t2 = time.monotonic()
         facts["startup_s"].append(round(t1 - t0, 1))
         facts["probe_s"].append(round(t2 - t1, 1))

@@ -396,6 +396,12 @@ class SimCluster:
         #: per worker: requests in its API server (only when it shares the engine's core)
         self.api_jobs: list[list[ApiJob]] = [[] for _ in self.workers]
         self._device_share = [1.0] * len(self.workers)
+        # The CPU build's engines slow each other: the probes time every term beside a busy
+        # neighbour and measure how much slower that is than beside idle ones
+        # (neighbour_slowdown s), so a worker whose neighbours are all idle runs its steps
+        # 1/s as long, re-timed whenever a neighbour starts or stops (s = 1: every GPU family)
+        self._neighbour_speedup = 1.0 / c.neighbour_slowdown if c.neighbour_slowdown > 0 else 1.0
+        self._host_share = [1.0] * len(self.workers)
         if self.scrape is not None:  # unsynchronised scrapers: worker i's first scrape at phase i
             self.scrape_phase_s = (common.random(len(self.workers)) * load_signal.interval_s).tolist()
         # The client (the gateway and the load generator, one process) pinned to the core of
@@ -425,6 +431,8 @@ class SimCluster:
 
     # -- device sharing -----------------------------------------------------------
     def device_load_changed(self, driver: WorkerDriver) -> None:
+        if self._neighbour_speedup != 1.0 and len(self.drivers) > 1:
+            self._neighbours_changed(driver)
         peers = self._peers[driver.gpu]
         if len(peers) == 1:
             return
@@ -435,9 +443,23 @@ class SimCluster:
             if d is not driver:
                 d.wake()
 
+    def _neighbours_changed(self, driver: WorkerDriver) -> None:
+        """``driver``'s engine started or stopped: every other busy worker whose neighbours
+        are now all idle (or no longer) runs at its new speed from its next step."""
+        busy = sum(d.busy for d in self.drivers)
+        for d in self.drivers:
+            share = self._neighbour_speedup if busy - d.busy == 0 else 1.0
+            if share != self._host_share[d.index]:
+                self._host_share[d.index] = share
+                self._set_share(d.index)
+                if d is not driver and d.busy:
+                    d.wake()  # the step in progress ends, the next ones run at the new speed
+
     def _set_share(self, i: int) -> None:
-        """Worker ``i``'s engine's time share: its device's, and its API server's beside it."""
-        self.engines[i].share = self._device_share[i] * (self._api_engine_share if self.api_jobs[i] else 1.0)
+        """Worker ``i``'s engine's time share: its device's, its neighbours' on the host, and
+        its API server's beside it."""
+        self.engines[i].share = (self._device_share[i] * self._host_share[i]
+                                 * (self._api_engine_share if self.api_jobs[i] else 1.0))
 
     # -- the API server beside the engine (api_busy_factor > 1) ---------------------
     def _api_rate(self, i: int) -> float:
