@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvroute.live.probe import engine_itl
+from kvroute.live.probe import engine_itl, itl_between
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_interference import ROOT, batch  # noqa: E402
@@ -45,7 +45,7 @@ async def alone(url: str, model: str, size: int, tag: str) -> float:
         before = await asyncio.to_thread(engine_itl, url)
         await batch(session, url, model, tag, size)
         after = await asyncio.to_thread(engine_itl, url)
-    return 1e3 * (after[0] - before[0]) / (after[1] - before[1])
+    return itl_between(before, after)
 
 
 def spreads(rows: list[dict], worker: str) -> dict[str, float]:

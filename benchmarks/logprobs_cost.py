@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvroute.live.probe import engine_itl
+from kvroute.live.probe import engine_itl, itl_between
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_interference import ROOT, stream  # noqa: E402
@@ -38,7 +38,7 @@ async def w0_itl(url: str, model: str, size: int, logprobs: bool) -> float:
         await asyncio.gather(*(stream(session, url, model, f"logprobs:{time.time_ns():x}:{i}", logprobs)
                                for i in range(size)))
         after = await asyncio.to_thread(engine_itl, url)
-    return 1e3 * (after[0] - before[0]) / (after[1] - before[1])
+    return itl_between(before, after)
 
 
 def main(argv: list[str]) -> int:

@@ -458,16 +458,14 @@ def client_probe(engines, hw, plan: ProbePlan, nonce: str = "") -> list[dict]:
     per-streamed-token costs to them.
     """
     from kvroute.live.measure import gateway_load
-    from kvroute.workload.trace import Conversation, Trace, Turn
 
     nonce = nonce or f"{time.time_ns():x}"
     concurrency = plan.client_concurrency or len(engines.urls) * hw.engine.max_num_seqs
     rows: list[dict] = []
     for rep in range(plan.client_repetitions):
         for kind, (words, tokens) in enumerate(plan.client_kinds):
-            convs = tuple(Conversation(f"probe-client:{nonce}:{rep}:{kind}:{i}", "", 0, (Turn(words, tokens),))
-                          for i in range(plan.client_requests))
-            trace = Trace("probe-client", "closed", convs, concurrency=concurrency)
+            trace = single_turn_chats(f"probe-client:{nonce}:{rep}:{kind}", plan.client_requests, words, tokens,
+                                      concurrency)
             result = asyncio.run(gateway_load(engines, hw, trace, CLIENT_POLICY, seed=0, redis_url=None,
                                               progress_every_s=None))
             ok = [r for r in result.rows if r["status"] == "ok"]
@@ -491,6 +489,21 @@ def engine_itl(url: str) -> tuple[float, float]:
     return v["itl_s"], v["itl_tokens"]
 
 
+def itl_between(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The mean inter-token latency (ms) between two :func:`engine_itl` readings; None when
+    no token was streamed between them."""
+    return round(1e3 * (after[0] - before[0]) / (after[1] - before[1]), 4) if after[1] > before[1] else None
+
+
+def single_turn_chats(tag: str, n: int, words: int, tokens: int, concurrency: int):
+    """A closed-loop trace of ``n`` single-turn chats of ``words`` words in and ``tokens``
+    out, each named by ``tag`` (no two probes share a prompt), ``concurrency`` at a time."""
+    from kvroute.workload.trace import Conversation, Trace, Turn
+
+    convs = tuple(Conversation(f"{tag}:{i}", "", 0, (Turn(words, tokens),)) for i in range(n))
+    return Trace(tag.split(":", 1)[0], "closed", convs, concurrency=concurrency)
+
+
 def interference_probe(engines, hw, plan: ProbePlan, placements: dict[str, list[int]] | None = None,
                        nonce: str = "") -> list[dict]:
     """The interference phase: how much engine time the client's CPU costs the engine beside it.
@@ -505,7 +518,6 @@ def interference_probe(engines, hw, plan: ProbePlan, placements: dict[str, list[
     with the client beside it against itself with the client on another core.
     """
     from kvroute.live.measure import gateway_load
-    from kvroute.workload.trace import Conversation, Trace, Turn
 
     nonce = nonce or f"{time.time_ns():x}"
     if placements is None:
@@ -515,16 +527,14 @@ def interference_probe(engines, hw, plan: ProbePlan, placements: dict[str, list[
     rows: list[dict] = []
     for rep in range(plan.interference_repetitions):
         for where, cpus in placements.items():
-            convs = tuple(Conversation(f"probe-interference:{nonce}:{rep}:{where}:{i}", "", 0, (Turn(words, tokens),))
-                          for i in range(plan.client_requests))
-            trace = Trace("probe-interference", "closed", convs, concurrency=concurrency)
+            trace = single_turn_chats(f"probe-interference:{nonce}:{rep}:{where}", plan.client_requests, words,
+                                      tokens, concurrency)
             with pinned_process(cpus):
                 before = [engine_itl(u) for u in engines.urls]
                 result = asyncio.run(gateway_load(engines, hw, trace, CLIENT_POLICY, seed=0, redis_url=None,
                                                   progress_every_s=None))
                 after = [engine_itl(u) for u in engines.urls]
-            itl = [round(1e3 * (a[0] - b[0]) / (a[1] - b[1]), 4) if a[1] > b[1] else None
-                   for a, b in zip(after, before)]
+            itl = [itl_between(b, a) for b, a in zip(before, after)]
             rows.append({"rep": rep, "client": where, "itl_ms": itl, "cpu_s": round(result.cpu_s, 4),
                          "wall_s": round(result.wall_s, 4),
                          "errors": sum(1 for r in result.rows if r["status"] != "ok")})
@@ -545,17 +555,14 @@ def neighbour_probe(engines, hw, plan: ProbePlan, nonce: str = "") -> list[dict]
     """
     from kvroute.live.engines import served_model_name
     from kvroute.live.loadgen import run_load
-    from kvroute.workload.trace import Conversation, Trace, Turn
 
     nonce = nonce or f"{time.time_ns():x}"
     words, tokens = plan.neighbour_kind
     size = hw.engine.max_num_seqs
     model = served_model_name(hw)
 
-    def trace(tag: str) -> Trace:
-        convs = tuple(Conversation(f"probe-neighbour:{nonce}:{tag}:{i}", "", 0, (Turn(words, tokens),))
-                      for i in range(size))
-        return Trace("probe-neighbour", "closed", convs, concurrency=size)
+    def trace(tag: str):
+        return single_turn_chats(f"probe-neighbour:{nonce}:{tag}", size, words, tokens, size)
 
     async def one(e: int, busy: bool, tag: str) -> dict:
         stop = asyncio.Event()
@@ -574,8 +581,7 @@ def neighbour_probe(engines, hw, plan: ProbePlan, nonce: str = "") -> list[dict]
         after = await asyncio.to_thread(engine_itl, engines.urls[e])
         stop.set()
         await asyncio.gather(*others)
-        itl = round(1e3 * (after[0] - before[0]) / (after[1] - before[1]), 4) if after[1] > before[1] else None
-        return {"worker": engines.names[e], "neighbour_busy": busy, "itl_ms": itl,
+        return {"worker": engines.names[e], "neighbour_busy": busy, "itl_ms": itl_between(before, after),
                 "errors": sum(1 for r in result.rows if r["status"] != "ok")}
 
     rows: list[dict] = []
