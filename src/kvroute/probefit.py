@@ -663,7 +663,7 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
         "experiments_read": "none: no experiment, trace or measured record is an input of this fit",
         "engines": (f"{hw.name}: {hw.workers} x {e.kind} {e.version}, {hw.model.name}, block {e.block_size}, "
                     f"max_num_seqs {e.max_num_seqs}, max_num_batched_tokens {e.max_num_batched_tokens}, "
-                    f"dtype {e.dtype}; workers probed side by side"),
+                    f"dtype {e.dtype}; workers probed one at a time, the others idle"),
         "probed": fit.probed,
         "fitted": {k: _stated(c[k], fit.errors[k], fit.dof.get(k, math.nan)) for k in FITTED},
         "measured": {k: _stated(v["value"], v["se"], v.get("dof", math.nan)) for k, v in fit.measured.items()},
@@ -709,8 +709,9 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "with every other worker idle and with them decoding full batches, alternating, this process pinned "
             "to another worker's core), its ITL beside busy neighbours over its ITL beside idle ones; the mean "
             "over those pairs (se: the larger of theirs and the jackknives over repetitions and workers). Every "
-            "other probe was timed beside a busy neighbour (the workers are probed side by side), so the "
-            "simulator runs a worker whose neighbours are all idle that many times faster",
+            "other probe was timed beside idle neighbours (the workers are probed one at a time, this process "
+            "pinned to another worker's core), so the simulator runs a worker's steps that many times as long "
+            "while any other worker of the host is busy",
             "api_refused_request_ms is the CPU time of a worker's process tree per request it answers "
             "without serving it (POST /v1/chat/completions/render, which vllm-router's cache_aware sends every "
             "worker before routing a request and plain vLLM refuses), over batches sent to the idle workers "

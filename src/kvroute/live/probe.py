@@ -46,8 +46,9 @@ repetition is one stretch of time:
 * ``neighbour`` (the last session only, :func:`neighbour_probe`): a full batch on each
   worker in turn, with the other worker idle and with it decoding batches of its own (this
   process pinned to the other worker's core): how much slower an engine runs while its
-  neighbour on the same host runs. Every timed probe above ran beside a busy neighbour
-  (the workers are probed side by side).
+  neighbour on the same host runs. Every timed probe above ran beside idle neighbours (the
+  workers are probed one at a time), so the simulator slows a worker by that much while
+  another worker is busy.
 
 * ``refused`` (the last session only, :func:`refused_probe`): requests each idle worker
   answers without serving them, as vllm-router's cache_aware asks every worker to render
@@ -56,9 +57,11 @@ repetition is one stretch of time:
 
 Every probe (a batch counts as one) waits for the engine's counters to count its
 requests before the next is sent, so each histogram change is that probe's own.
-The workers of a profile are probed side by side (each on its own schedule), as the
-measurements load them; the probes go through :class:`~kvroute.live.engines.Engines`,
-so they run under whatever the profile pins.
+The workers of a profile take turns within each repetition (:func:`probe_workers`): one
+is probed while the others idle, with this process pinned to another worker's core where
+the profile pins them, so the probed engine has its core and the host to itself and the
+neighbour and client phases measure what sharing costs. The probes go through
+:class:`~kvroute.live.engines.Engines`, so they run under whatever the profile pins.
 """
 
 from __future__ import annotations
@@ -270,28 +273,35 @@ class WorkerProber:
         self._last: dict[str, float] | None = None  # the counters after the previous probe
 
     async def run(self) -> list[ProbeRequest]:
-        p = self.plan
+        await self.start()
+        for rep in range(self.plan.repetitions):
+            await self.repetition(rep)
+        return self.requests
+
+    async def start(self) -> None:
+        """Warm the engine up and empty its prefix cache."""
         for i in range(2):
             await self._sequential(ProbeRequest(self.name, "warmup", self._key("warmup", i), 64, 4))
         await self._reset_cache()
-        # repetition-major: each repetition is one stretch of time holding every kind of probe,
-        # so a change of load during the calibration shows as a difference between repetitions
-        for rep in range(p.repetitions):
-            for i in range(rep, p.api_probes, p.repetitions):
-                await self._sequential(ProbeRequest(self.name, "api", self._key("api", i), p.api_words, 2, rep=rep))
-            # a rotated order per repetition, so a drift in time does not line up with length
-            k = rep % len(p.prefill_words)
-            for n in p.prefill_words[k:] + p.prefill_words[:k]:
-                key = self._key("prefill", f"{rep}:{n}")
-                await self._sequential(ProbeRequest(self.name, "prefill", key, n, p.prefill_tokens, rep=rep))
-                await self._sequential(ProbeRequest(self.name, "prefill", key, n, p.prefill_tokens, warm=True, rep=rep))
-            for n in p.decode_words:
-                for b in p.batches(self.max_num_seqs):
-                    await self._batch(n, b, rep)
-            if self.max_num_seqs > 1:
-                for i in range(rep, p.busy_probes, p.repetitions):
-                    await self._busy(i, p.busy_words[i % len(p.busy_words)], rep)
-        return self.requests
+
+    async def repetition(self, rep: int) -> None:
+        """Repetition ``rep``: one stretch of time holding every kind of probe, so a change of
+        load during the calibration shows as a difference between repetitions."""
+        p = self.plan
+        for i in range(rep, p.api_probes, p.repetitions):
+            await self._sequential(ProbeRequest(self.name, "api", self._key("api", i), p.api_words, 2, rep=rep))
+        # a rotated order per repetition, so a drift in time does not line up with length
+        k = rep % len(p.prefill_words)
+        for n in p.prefill_words[k:] + p.prefill_words[:k]:
+            key = self._key("prefill", f"{rep}:{n}")
+            await self._sequential(ProbeRequest(self.name, "prefill", key, n, p.prefill_tokens, rep=rep))
+            await self._sequential(ProbeRequest(self.name, "prefill", key, n, p.prefill_tokens, warm=True, rep=rep))
+        for n in p.decode_words:
+            for b in p.batches(self.max_num_seqs):
+                await self._batch(n, b, rep)
+        if self.max_num_seqs > 1:
+            for i in range(rep, p.busy_probes, p.repetitions):
+                await self._busy(i, p.busy_words[i % len(p.busy_words)], rep)
 
     def _key(self, phase: str, i: object) -> str:
         return f"probe:{self.nonce}:{self.name}:{phase}:{i}"
@@ -417,8 +427,17 @@ class WorkerProber:
 
 
 async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, plan: ProbePlan,
-                        max_num_seqs: int, nonce: str = "", session: int = 0) -> list[ProbeRequest]:
-    """Run one session of ``plan`` on every worker side by side; every request, in order per worker.
+                        max_num_seqs: int, nonce: str = "", session: int = 0,
+                        cpus: Sequence[Sequence[int]] = ()) -> list[ProbeRequest]:
+    """Run one session of ``plan`` on every worker, one worker at a time, the others idle;
+    every request, in order per worker.
+
+    Alone, so that the fitted family is an engine beside idle neighbours, which the simulator
+    slows by ``neighbour_slowdown`` while a neighbour runs (the neighbour phase measures it).
+    The workers take turns within each repetition, in an order rotated per repetition, so a
+    drift of the machine's speed is shared between them. Where ``cpus`` gives each worker's
+    CPUs, this process (the client) is pinned to the next worker's while one is probed: off
+    the probed engine's core, whose client costs ``client_interference`` accounts for.
 
     Raises:
         EngineError: a worker cannot be reached, or its /metrics lacks the histograms.
@@ -426,16 +445,23 @@ async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, p
     progress = _Progress(plan.count(max_num_seqs) * len(urls), f"probe session {session + 1}/{plan.sessions}")
     nonce = nonce or f"{time.time_ns():x}"
     connector = aiohttp.TCPConnector(limit=0)
+    n = len(urls)
+    cpus = list(cpus) if len(cpus) == n else [()] * n
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
-            probers = [WorkerProber(http, n, u, model, plan, max_num_seqs, nonce, progress, session)
-                       for n, u in zip(names, urls)]
-            results = await asyncio.gather(*(p.run() for p in probers))
+            probers = [WorkerProber(http, name, u, model, plan, max_num_seqs, nonce, progress, session)
+                       for name, u in zip(names, urls)]
+            for p in probers:
+                await p.start()
+            for rep in range(plan.repetitions):
+                for i in [(rep + j) % n for j in range(n)]:
+                    with pinned_process(list(cpus[(i + 1) % n]) if n > 1 else []):
+                        await probers[i].repetition(rep)
     except aiohttp.ClientError as exc:
         raise EngineError(f"probe: an engine could not be reached: {exc}") from exc
     finally:
         progress.close()
-    return [r for rs in results for r in rs]
+    return [r for p in probers for r in p.requests]
 
 
 #: the client phase's gateway policy: both workers serve, as under the spreading policies
@@ -685,7 +711,8 @@ def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = 
                              model_dir=model_dir, python=python) as eng:
             t1 = time.monotonic()
             requests += asyncio.run(probe_workers(eng.names, eng.urls, served_model_name(hw), plan,
-                                                  hw.engine.max_num_seqs, session=session))
+                                                  hw.engine.max_num_seqs, session=session,
+                                                  cpus=[s.cpus for s in eng.specs]))
             if session == plan.sessions - 1 and plan.refused_repetitions:
                 facts["refused"] = refused_probe(eng, served_model_name(hw), plan)
             if session == plan.sessions - 1 and plan.client_repetitions:

@@ -396,11 +396,11 @@ class SimCluster:
         #: per worker: requests in its API server (only when it shares the engine's core)
         self.api_jobs: list[list[ApiJob]] = [[] for _ in self.workers]
         self._device_share = [1.0] * len(self.workers)
-        # The CPU build's engines slow each other: the probes time every term beside a busy
-        # neighbour and measure how much slower that is than beside idle ones
-        # (neighbour_slowdown s), so a worker whose neighbours are all idle runs its steps
-        # 1/s as long, re-timed whenever a neighbour starts or stops (s = 1: every GPU family)
-        self._neighbour_speedup = 1.0 / c.neighbour_slowdown if c.neighbour_slowdown > 0 else 1.0
+        # The CPU build's engines slow each other: the probes time every term with the other
+        # workers idle and measure how much slower an engine runs beside busy ones
+        # (neighbour_slowdown s), so a worker runs its steps s times as long while any other
+        # worker of the host is busy, re-timed whenever one starts or stops (s = 1: every GPU family)
+        self._neighbour_slowdown = c.neighbour_slowdown if c.neighbour_slowdown > 0 else 1.0
         self._host_share = [1.0] * len(self.workers)
         if self.scrape is not None:  # unsynchronised scrapers: worker i's first scrape at phase i
             self.scrape_phase_s = (common.random(len(self.workers)) * load_signal.interval_s).tolist()
@@ -431,7 +431,7 @@ class SimCluster:
 
     # -- device sharing -----------------------------------------------------------
     def device_load_changed(self, driver: WorkerDriver) -> None:
-        if self._neighbour_speedup != 1.0 and len(self.drivers) > 1:
+        if self._neighbour_slowdown != 1.0 and len(self.drivers) > 1:
             self._neighbours_changed(driver)
         peers = self._peers[driver.gpu]
         if len(peers) == 1:
@@ -448,7 +448,7 @@ class SimCluster:
         are now all idle (or no longer) runs at its new speed from its next step."""
         busy = sum(d.busy for d in self.drivers)
         for d in self.drivers:
-            share = self._neighbour_speedup if busy - d.busy == 0 else 1.0
+            share = self._neighbour_slowdown if busy - d.busy > 0 else 1.0
             if share != self._host_share[d.index]:
                 self._host_share[d.index] = share
                 self._set_share(d.index)
