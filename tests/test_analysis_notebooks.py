@@ -310,11 +310,12 @@ def test_sticky_with_a_measurement(measured_results, tmp_path):
 
 
 def test_sticky_predicts_from_a_probe_calibration(measured_results, tmp_path):
-    """With results/calibration/probe/cpu.{yaml,csv} (as `kvroute calibrate --probe` writes
-    them; test data here) the note predicts both second turns beside the measurement."""
+    """With results/calibration/probe/explainer-two-replicas/cpu.{yaml,csv} (as `kvroute
+    measure --probe` writes them; test data here) the note predicts both second turns
+    beside the measurement."""
     results = tmp_path / "results"
     shutil.copytree(measured_results, results)
-    probe = results / "calibration" / "probe"
+    probe = results / "calibration" / "probe" / "explainer-two-replicas"
     probe.mkdir(parents=True)
     (probe / "cpu.yaml").write_text(yaml.safe_dump({"cpu-provisional": {
         "mem_efficiency": 1.4, "compute_efficiency": 1.0, "step_overhead_ms": 4.0, "per_seq_overhead_ms": 0.3,

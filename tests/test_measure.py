@@ -63,6 +63,14 @@ def test_measure_rejects_unknown_policy_before_starting_engines(tmp_path, exp_fi
     assert not (tmp_path / "o" / "engines").exists()
 
 
+def test_measure_refuses_to_probe_the_emulator_before_starting_engines(tmp_path, exp_file):
+    """--probe calibrates real engines; an emulator's step times are the simulator's own."""
+    res = CliRunner().invoke(main, ["measure", str(exp_file), "--hardware", "cpu", "--engine", "emulator",
+                                    "--out", str(tmp_path / "o"), "--probe", str(tmp_path / "p.yaml")])
+    assert res.exit_code != 0 and "--probe calibrates real engines" in res.output
+    assert not (tmp_path / "o" / "engines").exists() and not (tmp_path / "p.yaml").exists()
+
+
 def test_measure_passes_the_load_signal_to_the_gateway(tmp_path):
     """The experiment's load_signal reaches every gateway and the records, as the
     simulator writes it, so a simulated and a measured row compare like for like."""

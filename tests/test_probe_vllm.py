@@ -1,9 +1,12 @@
-"""`kvroute calibrate --probe` on real vLLM CPU engines (the `cpu` profile): a small probe, a sane fit.
+"""The probe on real vLLM CPU engines (the `cpu` profile): a small probe, a sane fit.
 
 Needs the engine environment (`make engine-cpu` builds .venv-engine-cpu, or set
 KVROUTE_ENGINE_PYTHON); skipped, saying so, without it. Starts the profile's two workers
-through kvroute.live.probe.run_probe (the Engines class measure uses), sends a small plan
-and fits it. About 1.5-2.5 minutes on 2 shared cores (start-up is most of it).
+(the Engines class measure uses) and runs a small plan through
+kvroute.live.probe.BracketProbe, as `kvroute measure --probe` runs it around a
+measurement (its two sessions on the same engines; `kvroute calibrate --probe` runs the
+same sessions on engines started for each), then fits it. About 1.5-2.5 minutes on 2
+shared cores (start-up is most of it).
 """
 
 from __future__ import annotations
@@ -17,14 +20,15 @@ import pytest
 import yaml
 
 from kvroute.hardware import Coefficients, coefficient_values, load_hardware
-from kvroute.live.probe import ProbePlan, run_probe
+from kvroute.live.engines import running_engines
+from kvroute.live.probe import BracketProbe, ProbePlan
 from kvroute.probefit import FITTED, coefficient_entry, fit_probes, plan_facts, write_probe_fit
 
 import engine_env  # noqa: E402  (tests/engine_env.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = engine_env.ENGINE_MARKS
-PLAN = ProbePlan(api_probes=8, api_words=4, prefill_words=(128, 1024, 2500), sessions=1, repetitions=2,
+PLAN = ProbePlan(api_probes=8, api_words=4, prefill_words=(128, 1024, 2500), sessions=2, repetitions=1,
                  decode_words=(128, 1500), decode_tokens=16)
 
 
@@ -34,14 +38,17 @@ def probed(tmp_path_factory):
     subprocess.run([engine_env.ENGINE_PY, "-m", "kvroute.live.model", "tiny", str(model)], check=True, cwd=ROOT,
                    timeout=600)
     hw = load_hardware("cpu")
-    requests, facts = run_probe(hw, tmp_path_factory.mktemp("engines"), PLAN, model_dir=model,
-                                python=engine_env.ENGINE_PY)
-    return hw, requests, facts
+    bracket = BracketProbe(hw, PLAN)
+    with running_engines(hw, run_dir=tmp_path_factory.mktemp("engines"), host="127.0.0.1", model_dir=model,
+                         python=engine_env.ENGINE_PY) as eng:
+        bracket.before(eng)
+        bracket.after(eng)  # a measurement runs between the two (kvroute measure --probe)
+    return hw, bracket.requests, bracket.facts
 
 
 def test_every_probe_ran_as_planned(probed):
     hw, requests, facts = probed
-    assert len(requests) == PLAN.count(hw.engine.max_num_seqs) * hw.workers
+    assert len(requests) == PLAN.count(hw.engine.max_num_seqs) * hw.workers * PLAN.sessions
     failed = [(r.phase, r.error) for r in requests if r.error]
     assert len(failed) <= 2, failed  # a shared machine may drop a probe; more is a bug
     warm = [r for r in requests if r.phase == "prefill" and r.warm and not r.error]
@@ -51,7 +58,9 @@ def test_every_probe_ran_as_planned(probed):
     assert all(r.cached_tokens == 0 for r in requests if r.phase == "prefill" and not r.warm and not r.error)
     # the engines' own histograms counted every sequential probe's prefill
     assert all(r.engine["prefill_s"] > 0 for r in requests if r.phase in ("api", "prefill") and not r.error)
-    assert len(facts["startup_s"]) == PLAN.sessions and min(facts["startup_s"] + facts["probe_s"]) > 0
+    assert len(facts["probe_s"]) == PLAN.sessions and min(facts["probe_s"]) > 0
+    # the phases split around the measurement: refused and client before, the rest after
+    assert set(BracketProbe.BEFORE) | set(BracketProbe.AFTER) <= set(facts)
 
 
 def test_the_workers_are_probed_one_at_a_time(probed):
@@ -68,8 +77,8 @@ def test_the_workers_are_probed_one_at_a_time(probed):
     spans = sorted((lo, hi, key) for key, (lo, hi) in windows.items())
     for (_, hi, a), (lo, _, b) in zip(spans, spans[1:]):
         assert hi < lo, (a, b, hi, lo)
-    # the turns' order rotates per repetition: w0 first in the first, w1 in the second
-    assert [key[1] for *_, key in spans if key[2] == 1][0] == hw.worker_names[1]
+    # the turns' order rotates with each repetition, counted across sessions
+    assert [[key[1] for *_, key in spans if key[0] == s][0] for s in range(2)] == hw.worker_names[:2]
 
 
 def test_the_fit_is_sane(probed, tmp_path):

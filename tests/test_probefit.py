@@ -11,7 +11,8 @@ from kvroute.hardware import load_hardware
 from kvroute.live.probe import ProbePlan, ProbeRequest
 from kvroute.probefit import (CLIENT, FITTED, INTERFERENCE, NEIGHBOUR, REFUSED, Observation, client_costs,
                               client_interference, coefficient_entry, collect, fit_probes, interference, model_at,
-                              neighbour_slowdown, observation_table, paired_interference, predict, refused_cost)
+                              neighbour_slowdown, observation_table, paired_interference, plan_facts, predict,
+                              refused_cost)
 
 TRUTH = {"compute_efficiency": 1.3, "mem_efficiency": 0.8, "step_overhead_ms": 3.0, "per_seq_overhead_ms": 0.25,
          "attn_cached_efficiency": 0.9, "attn_chunk_efficiency": 2.5}
@@ -249,6 +250,39 @@ def test_a_saved_probe_table_fits_the_same():
     refit = fit_probes(again, HW)
     for k in (*FITTED, "api_overhead_ms", "api_jitter_ms"):
         assert refit.coefficients[k] == pytest.approx(fit.coefficients[k], rel=1e-3), k
+
+
+def test_a_probe_file_of_kvroute_measure_fits_through_the_cli_as_in_memory(tmp_path):
+    """`kvroute measure --probe` writes its probe requests and facts (write_probed);
+    `kvroute calibrate --probe --probed` fits that file, starting no engine, to the
+    coefficients the requests give in memory, and says where they came from; a file that
+    is not one is named."""
+    import yaml
+
+    from kvroute.live.probe import read_probed, write_probed
+
+    reqs = synthetic_requests(noise=0.05, seed=5)
+    probed = plan_facts(PLAN, HW) | {"cores": 2, "bracket": "session 0 before the measurement"}
+    raw = tmp_path / "probe.json"
+    write_probed(raw, reqs, probed)
+    again, facts = read_probed(raw)
+    assert facts == probed and len(again) == len(reqs)
+    out = tmp_path / "cpu.yaml"
+    res = CliRunner().invoke(main, ["calibrate", "--probe", "--probed", str(raw), "--hardware", "cpu", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    entry = yaml.safe_load(out.read_text())[HW.coefficients_name]
+    fit = fit_probes(reqs, HW, probed)
+    for k in FITTED:
+        assert entry[k] == pytest.approx(fit.coefficients[k], rel=5e-3), k
+    assert entry["provenance"]["probed"]["bracket"].startswith("session 0 before")
+    assert "--probed" in out.read_text().splitlines()[0] and out.with_suffix(".csv").is_file()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    res = CliRunner().invoke(main, ["calibrate", "--probe", "--probed", str(bad), "--hardware", "cpu",
+                                    "--out", str(tmp_path / "x.yaml")])
+    assert res.exit_code != 0 and "not a probe file" in res.output
+    res = CliRunner().invoke(main, ["calibrate", "--probed", str(raw), "--hardware", "cpu", "--out", str(out)])
+    assert res.exit_code != 0 and "--probe too" in res.output
 
 
 def test_workers_that_differ_widen_the_stated_errors():

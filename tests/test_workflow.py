@@ -246,7 +246,9 @@ def test_a_field_experiment_also_in_paper_is_refused(repo, tmp_path):
 
 def test_a_measurement_depends_on_the_policies_it_runs_only(repo, capfd, tmp_path):
     """Editing kv_aware.py reruns note2-cpu's measurement (it runs kv_aware), not the
-    explainer's (sticky and random), nor the probe (it routes nothing)."""
+    explainer's (sticky and random); with measure.probe each CPU measurement also writes
+    its probe requests, which a probe_fit job of its own fits (the fit's code is that
+    job's input, not the measurement's: editing the fit reruns no measurement)."""
     on = tmp_path / "measure.yaml"
     on.write_text(yaml.safe_dump({"measure": {"enabled": True, "probe": True, "runs": [
         {"experiment": "note2-cpu", "hardware": "cpu"}, {"experiment": "explainer-two-replicas", "hardware": "cpu"}]}}))
@@ -264,7 +266,12 @@ def test_a_measurement_depends_on_the_policies_it_runs_only(repo, capfd, tmp_pat
     assert "policies/kv_aware.py" in job_inputs("measure_cpu", "note2-cpu")
     explainer = job_inputs("measure_cpu", "explainer-two-replicas")
     assert "policies/sticky.py" in explainer and "policies/kv_aware.py" not in explainer
-    assert "src/kvroute/policies/" not in job_inputs("probe", "calibration/probe")
+    assert "probefit.py" not in explainer and "measure/explainer-two-replicas/cpu/probe.json" in next(
+        out for (r, out) in inputs if r == "measure_cpu" and "explainer-two-replicas" in out)
+    fit = job_inputs("probe_fit", "calibration/probe/explainer-two-replicas/cpu.yaml")
+    assert "measure/explainer-two-replicas/cpu/probe.json" in fit and "probefit.py" in fit
+    assert "requests.parquet" not in fit and "src/kvroute/policies/" not in fit  # the probe file only
+    assert not [r for r, _ in inputs if r == "probe"]  # no probe of its own: the measurements probe
 
 
 def test_a_dataset_workload_is_fetched_first(repo, capfd, tmp_path):

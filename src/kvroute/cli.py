@@ -49,10 +49,18 @@ POINT_HELP = ("The experiment's operating point (`kvroute operating-point`'s fil
 @click.option("--warmup-s", type=click.FloatRange(min=0),
               help="Warm real engines up first for at most this long (the first run's trace, round-robin, unrecorded; "
                    "default kvroute.live.measure.WARMUP_S); 0: not at all.")
+@click.option("--probe", "probe_out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also probe the engines before and after the measurement (probe requests of their own, as "
+                   "`kvroute calibrate --probe` sends) and write them to this JSON file, for `kvroute calibrate "
+                   "--probe --probed FILE`.")
 def measure(experiment: Path, hardware: str, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None,
             engine: str | None, redis_url: str | None, time_scale: float, max_requests: int | None, time_limit_s: float | None,
-            kv_events: bool, load: float | None, warmup_s: float | None) -> None:
-    """Measure EXPERIMENT on real engines behind the gateway: engines up, load, engines down."""
+            kv_events: bool, load: float | None, warmup_s: float | None, probe_out: Path | None) -> None:
+    """Measure EXPERIMENT on real engines behind the gateway: engines up, load, engines down.
+
+    With --probe, the very engine processes it measures are probed before and after it and
+    the probe requests written apart from the records, for `kvroute calibrate --probe
+    --probed` to fit: the fit reads its own probe requests only."""
     from kvroute.live.engines import EngineError
     from kvroute.live.measure import WARMUP_S, measure_experiment
 
@@ -60,7 +68,7 @@ def measure(experiment: Path, hardware: str, out: Path, policies: tuple[str, ...
         exp = load_experiment(experiment)
         summary = measure_experiment(exp, out, hardware, list(policies) or None, rounds, round_, engine, redis_url,
                                      time_scale, max_requests, time_limit_s, kv_events, load,
-                                     WARMUP_S if warmup_s is None else warmup_s)
+                                     WARMUP_S if warmup_s is None else warmup_s, probe_out)
     except (ExperimentError, EngineError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     cols = ["hardware", "policy", "round", *_load_cols(summary), "requests", "errors", "later_ttft_mean_ms", "hit_rate", "imbalance"]
@@ -329,10 +337,14 @@ def fit_gpu(measurements: Path | None, out: Path) -> None:
               help="--probe: minimal requests per worker and session for the API server's cost.")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
               help="--probe: the model the engines serve (default: as `kvroute measure` finds it).")
+@click.option("--probed", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="--probe: fit the probe requests in this file (`kvroute measure --probe` writes it) instead of "
+                   "starting engines.")
 @click.option("--fit", "fit", multiple=True, help="Replay fit: coefficient to fit (repeatable; default: compute_efficiency, step_overhead_ms, api_overhead_ms).")
 @click.option("--max-evaluations", type=click.IntRange(min=4), default=200, show_default=True, help="Replay fit: bound on simulations of the search.")
 def calibrate(experiment: Path | None, measured: Path | None, hardware: str, out: Path, probe: bool, sessions: int,
-              repetitions: int, api_probes: int, model_dir: Path | None, fit: tuple[str, ...], max_evaluations: int) -> None:
+              repetitions: int, api_probes: int, model_dir: Path | None, probed: Path | None, fit: tuple[str, ...],
+              max_evaluations: int) -> None:
     """Fit HARDWARE's step-time coefficients (docs/costmodel.md).
 
     With --probe: profile the live engines with probe requests and fit to them, never
@@ -344,8 +356,10 @@ def calibrate(experiment: Path | None, measured: Path | None, hardware: str, out
     if probe:
         if experiment is not None or measured is not None or fit:
             raise click.UsageError("--probe reads no experiment: drop EXPERIMENT, MEASURED and --fit")
-        _calibrate_probe(hardware, out, sessions, repetitions, api_probes, model_dir)
+        _calibrate_probe(hardware, out, sessions, repetitions, api_probes, model_dir, probed)
         return
+    if probed is not None:
+        raise click.UsageError("--probed is a --probe option: give --probe too")
     if experiment is None or measured is None:
         raise click.UsageError("give EXPERIMENT and MEASURED (a replay fit), or --probe")
     from kvroute.calibrate import DEFAULT_FIT, calibrate as fit_coefficients, read_measured
@@ -364,32 +378,30 @@ def calibrate(experiment: Path | None, measured: Path | None, hardware: str, out
 
 
 def _calibrate_probe(hardware: str, out: Path, sessions: int, repetitions: int, api_probes: int,
-                     model_dir: Path | None) -> None:
+                     model_dir: Path | None, probed_file: Path | None = None) -> None:
     from kvroute.hardware import load_hardware
     from kvroute.live.engines import EngineError
-    from kvroute.live.probe import ProbePlan, run_probe
-    from kvroute.probefit import coefficient_entry, fit_probes, load_warning, plan_facts, write_probe_fit
+    from kvroute.live.probe import ProbePlan, read_probed, run_probe
+    from kvroute.probefit import fit_and_write, load_warning, plan_facts
 
+    written_by = ""
     try:
         hw = load_hardware(hardware)
-        if hw.engine.kind == "emulator":
-            raise ValueError(f"hardware {hardware!r} runs the emulator: there is no engine to probe")
-        plan = ProbePlan(api_probes=api_probes, sessions=sessions, repetitions=repetitions)
-        requests, facts = run_probe(hw, out.parent / f"{out.stem}-engines", plan, model_dir=model_dir)
+        if probed_file is not None:  # recorded around a measurement: no engine to start
+            requests, probed = read_probed(probed_file)
+            written_by = f"kvroute calibrate --hardware {hardware} --probe --probed {probed_file}"
+        else:
+            if hw.engine.kind == "emulator":
+                raise ValueError(f"hardware {hardware!r} runs the emulator: there is no engine to probe")
+            plan = ProbePlan(api_probes=api_probes, sessions=sessions, repetitions=repetitions)
+            requests, facts = run_probe(hw, out.parent / f"{out.stem}-engines", plan, model_dir=model_dir)
+            probed = plan_facts(plan, hw) | facts
     except (EngineError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     try:
-        result = fit_probes(requests, hw, plan_facts(plan, hw) | facts)
-    except ValueError as exc:  # keep what was measured: the table can be read and fitted again
-        import pandas as pd
-
-        from kvroute.records import write_atomic
-
-        table = pd.DataFrame([r.row() for r in requests])
-        write_atomic(out.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))
-        raise click.ClickException(f"{exc}; every probe is in {out.with_suffix('.csv')}") from exc
-    entry = coefficient_entry(result, hw)
-    write_probe_fit(result, entry, out)
+        result = fit_and_write(requests, hw, probed, out, written_by)
+    except ValueError as exc:  # what was measured is kept: the table can be read and fitted again
+        raise click.ClickException(str(exc)) from exc
     click.echo("\n".join(result.residual_lines()))
     click.echo(f"{result.family}: " + ", ".join(f"{k} {v:.3g} ± {result.errors[k]:.2g}"
                                                 for k, v in result.coefficients.items()))

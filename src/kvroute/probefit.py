@@ -763,7 +763,7 @@ def observation_table(fit: ProbeFit):
     return table[[c for c in first if c in table] + [c for c in table if c not in first]]
 
 
-def write_probe_fit(fit: ProbeFit, entry: dict, out) -> None:
+def write_probe_fit(fit: ProbeFit, entry: dict, out, written_by: str = "") -> None:
     """OUT (the coefficients entry) and OUT.csv (:func:`observation_table`), atomically."""
     from pathlib import Path
 
@@ -773,9 +773,37 @@ def write_probe_fit(fit: ProbeFit, entry: dict, out) -> None:
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    head = (f"# written by `kvroute calibrate --hardware {fit.hardware} --probe`: probe requests only, "
-            f"no experiment read\n")
+    written_by = written_by or f"kvroute calibrate --hardware {fit.hardware} --probe"
+    head = f"# written by `{written_by}`: probe requests only, no experiment read\n"
     text = head + yaml.safe_dump(entry, sort_keys=False, width=100)
     table = observation_table(fit)
     write_atomic(out, lambda tmp: Path(tmp).write_text(text))
     write_atomic(out.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))
+
+
+def fit_and_write(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict, out,
+                  written_by: str = "") -> ProbeFit:
+    """Fit ``requests`` (``probed``: the plan's and the run's facts, :func:`plan_facts` and
+    more) and write OUT and OUT.csv
+    (:func:`write_probe_fit`). A fit that fails keeps every probe in OUT.csv, to be read
+    and fitted again, and raises.
+
+    Raises:
+        ValueError: too few usable probes for a fit (the message names OUT.csv).
+    """
+    from pathlib import Path
+
+    import pandas as pd
+
+    from kvroute.records import write_atomic
+
+    out = Path(out)
+    try:
+        fit = fit_probes(requests, hw, probed)
+    except ValueError as exc:
+        table = pd.DataFrame([r.row() for r in requests])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))
+        raise ValueError(f"{exc}; every probe is in {out.with_suffix('.csv')}") from exc
+    write_probe_fit(fit, coefficient_entry(fit, hw), out, written_by)
+    return fit

@@ -214,7 +214,9 @@ LIVE_SOURCES = _sources(
     "src/kvroute/loadsignal.py", "src/kvroute/costmodel.py",
 )
 CALIBRATE_SOURCES = SIM_SOURCES + _sources("src/kvroute/calibrate.py", "src/kvroute/experiment.py")
-PROBE_SOURCES = LIVE_SOURCES + _sources("src/kvroute/calibrate*.py", "src/kvroute/probefit.py", "src/kvroute/gpufit.py", "src/kvroute/costmodel.py")
+PROBE_FIT_SOURCES = _sources("src/kvroute/calibrate*.py", "src/kvroute/probefit.py", "src/kvroute/gpufit.py",
+                             "src/kvroute/costmodel.py", "src/kvroute/hardware.py", "src/kvroute/live/probe.py")
+PROBE_SOURCES = LIVE_SOURCES + PROBE_FIT_SOURCES
 # the manifest job also renders the appendix (manifest.tex), so its renderer is its code too
 MANIFEST_SOURCES = _sources(
     "src/kvroute/pipeline.py", "src/kvroute/analysis/manifest_tex.py", "src/kvroute/analysis/tables.py",
@@ -278,8 +280,9 @@ def get_operating_point_inputs(wildcards):
         "hardware": [f"hardware/{op.hardware}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"],
         "sources": SIM_CORE_SOURCES, "policy_sources": policy_sources(op.policy),
     }
-    if op.hardware in get_probe_hardware():
-        files["coefficients"] = probe_result(op.hardware)[:1]
+    coefficients = sim_probe(wildcards.exp, op.hardware)
+    if coefficients:
+        files["coefficients"] = coefficients
     return files
 
 
@@ -291,21 +294,41 @@ def get_hardware_files(wildcards):
     return [f"hardware/{wildcards.hardware}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"]
 
 
+def is_probe_enabled():
+    return is_measure_enabled() and config["measure"].get("probe", True)
+
+
 def get_probe_hardware():
     """Measured CPU hardware calibrated by probes (measure.probe), none while measuring is off."""
-    if not (is_measure_enabled() and config["measure"].get("probe", True)):
-        return []
-    return get_measure_hardware(cpu=True)
+    return get_measure_hardware(cpu=True) if is_probe_enabled() else []
 
 
-def probe_result(hardware):
-    base = f"{RESULTS}/calibration/probe/{hardware}"
+def get_probe_runs():
+    """Measured (experiment, CPU hardware) pairs whose measurement job probes its engines
+    around the measurement (measure.probe: `kvroute measure --probe`)."""
+    return [(exp, hw) for exp, hw in get_measure_runs() if hw in get_probe_hardware()]
+
+
+def probe_result(exp, hardware):
+    """The probe calibration of ``exp``'s measurement on ``hardware`` (yaml entry, csv)."""
+    base = f"{RESULTS}/calibration/probe/{exp}/{hardware}"
     return [f"{base}.yaml", f"{base}.csv"]
 
 
+def sim_probe(exp, hardware):
+    """The probe calibration a simulation of ``exp`` on ``hardware`` uses: that measurement's
+    own, else (an experiment simulated on probed hardware but not measured) the first
+    measurement's on that hardware; empty: hardware/coefficients.yaml."""
+    runs = get_probe_runs()
+    if (exp, hardware) in runs:
+        return probe_result(exp, hardware)[:1]
+    first = [e for e, hw in runs if hw == hardware][:1]
+    return probe_result(first[0], hardware)[:1] if first else []
+
+
 def get_sim_coefficients(wildcards):
-    """The probe calibration a simulation of this hardware uses (empty: hardware/coefficients.yaml)."""
-    return probe_result(wildcards.hardware)[:1] if wildcards.hardware in get_probe_hardware() else []
+    """The probe calibration a simulation uses (:func:`sim_probe`; empty: hardware/coefficients.yaml)."""
+    return sim_probe(wildcards.exp, wildcards.hardware)
 
 
 def get_sim_coefficients_arg(wildcards, input):
@@ -487,7 +510,7 @@ def get_validation_inputs():
         "reported": sorted(glob.glob("paper/reported/*.csv")),
         "experiments": [experiment_file(name) for name in get_experiments()],  # operating points: in sample
         "coefficients": "hardware/coefficients.yaml",
-        "probes": [probe_result(hw)[0] for hw in get_probe_hardware()],
+        "probes": [probe_result(exp, hw)[0] for exp, hw in get_probe_runs()],
         "code": VALIDATION_SOURCES,
     }
 
@@ -525,8 +548,7 @@ def get_analysis_inputs(notebook):
         "sim": [f for name in a["sim"] for f in sim_result(name)],
         "measure": [f for exp, hw in get_measure_runs() if exp in a["measure"] for f in measure_result(exp, hw)],
         "calibration": [f for exp, hw in get_calibration_runs() if exp in a["measure"] for f in calibration_result(exp, hw)]
-                       + [f for hw in get_probe_hardware() if any(exp in a["measure"] for exp, h in get_measure_runs() if h == hw)
-                          for f in probe_result(hw)],
+                       + [f for exp, hw in get_probe_runs() if exp in a["measure"] for f in probe_result(exp, hw)],
         "extra": extra,
     }
 
@@ -609,7 +631,7 @@ def get_sim_targets():
 
 def get_measure_targets():
     measured = [f for exp, hw in get_measure_runs() for f in measure_result(exp, hw)]
-    probes = [f for hw in get_probe_hardware() for f in probe_result(hw)]
+    probes = [f for exp, hw in get_probe_runs() for f in probe_result(exp, hw)]
     return measured + probes + [f for exp, hw in get_calibration_runs() for f in calibration_result(exp, hw)]
 
 

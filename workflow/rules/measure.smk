@@ -49,6 +49,18 @@ rule tiny_model:  # the CPU profile's model: random weights, local tokenizer, de
         "kvroute model tiny results/models/tiny-qwen2 > {log:q} 2>&1"
 
 
+# With measure.probe (the default), a CPU measurement also probes its engines: `kvroute
+# measure --probe` sends probe requests of its own before and after the measurement, on the
+# very processes it measures, and writes them apart from the records
+# (results/measure/EXP/HW/probe.json); rule probe_fit fits them. A probe run minutes
+# before, in a job of its own, missed the machine's speed at measurement time by 10-25%
+# (docs/validation.md).
+MEASURE_CPU_OUTPUTS = {
+    "requests": "results/measure/{mexp}/{mhw}/requests.parquet",
+    "summary": "results/measure/{mexp}/{mhw}/summary.csv",
+} | ({"probed": "results/measure/{mexp}/{mhw}/probe.json"} if is_probe_enabled() else {})
+
+
 rule measure_cpu:
     # kvroute measure runs from the main environment; the vLLM servers it starts use
     # .venv-engine-cpu (`make engine-cpu`), found without configuration.
@@ -59,13 +71,14 @@ rule measure_cpu:
         policy_sources=get_measure_policy_sources,  # the policies it runs, not every policy
         model=rules.tiny_model.output,
     output:
-        requests="results/measure/{mexp}/{mhw}/requests.parquet",
-        summary="results/measure/{mexp}/{mhw}/summary.csv",
+        **MEASURE_CPU_OUTPUTS,
     wildcard_constraints:
         mhw=_alternation(get_measure_hardware(cpu=True)),
+        mexp=_alternation(e for e, _ in get_measure_runs()),
     params:
         out=output_dir("requests"),
         rounds=get_measure_rounds_arg,
+        probe=lambda wildcards, output: f"--probe {output.probed}" if hasattr(output, "probed") else "",
     threads: workflow.cores  # the whole machine: a simulation beside it would slow the engines
     resources:
         mem_mb=12000,
@@ -78,15 +91,45 @@ rule measure_cpu:
     conda:
         "../../envs/engine-cpu.yaml"
     shell:
-        "kvroute -v measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} {params.rounds} > {log:q} 2>&1"
+        "kvroute -v measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} {params.rounds}"
+        " {params.probe} > {log:q} 2>&1"
+
+
+rule probe_fit:
+    # `kvroute calibrate --probe --probed`: the family's coefficients fitted, with their
+    # errors, to the probe requests a CPU measurement sent its engines (docs/costmodel.md).
+    # Its input is that probe file only, never the records beside it; that experiment's
+    # simulations use its output (get_sim_coefficients), so they are predictions of the
+    # measurement. Editing the fit reruns this job, not the measurement.
+    input:
+        probed="results/measure/{mexp}/{mhw}/probe.json",
+        hardware=get_measure_hardware_files,
+        sources=PROBE_FIT_SOURCES,
+    output:
+        coefficients="results/calibration/probe/{mexp}/{mhw}.yaml",
+        observations="results/calibration/probe/{mexp}/{mhw}.csv",
+    wildcard_constraints:
+        mexp=_alternation(e for e, _ in get_probe_runs()),
+        mhw=_alternation(get_probe_hardware()),
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    log:
+        "results/logs/calibrate/probe/{mexp}/{mhw}.log",
+    benchmark:
+        "results/benchmarks/calibrate/probe/{mexp}/{mhw}.tsv"
+    conda:
+        "../../envs/simulation.yaml"
+    shell:
+        "kvroute calibrate --probe --probed {input.probed:q} --hardware {wildcards.mhw:q} --out {output.coefficients:q} > {log:q} 2>&1"
 
 
 rule probe:
     # `kvroute calibrate --probe`: the CPU profile's engines started and profiled with probe
     # requests of their own (prefill cold and warm, decode by batch and context, the API
     # server's cost), the family's coefficients fitted with their errors (docs/costmodel.md).
-    # It reads no experiment; the simulations of this hardware use its output
-    # (measure.probe), so they are predictions of the measurements.
+    # It reads no experiment. Not in `paper` (each measurement probes its own engines, above):
+    # a calibration of its own, on request (`snakemake results/calibration/probe/cpu.yaml`).
     input:
         hardware=lambda wildcards: [f"hardware/{wildcards.phw}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"],
         sources=PROBE_SOURCES,
@@ -124,6 +167,8 @@ rule calibrate:
     output:
         coefficients="results/calibration/{mexp}/{mhw}.yaml",
         errors="results/calibration/{mexp}/{mhw}.csv",
+    wildcard_constraints:
+        mexp=_alternation(e for e, _ in get_measure_runs()),  # not probe/EXP: the probes' own files
     resources:
         mem_mb=2000,
         runtime=30,

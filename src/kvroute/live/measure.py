@@ -59,6 +59,7 @@ from kvroute.live.engines import EngineError, pinned_process, running_engines, s
 from kvroute.live.gateway import Gateway
 from kvroute.live.loadgen import WORKER_FIELD, LoadResult, records_for, run_load, write_results
 from kvroute.live.peers import PeerError, is_peer_spec, parse_peer_spec, routers_venv, running_peer
+from kvroute.live.probe import BracketProbe, write_probed
 from kvroute.loadsignal import ROUTER, LoadSignal
 from kvroute.pipeline import format_load
 from kvroute.policies import make_policy
@@ -174,6 +175,7 @@ def measure_experiment(
     kv_events: bool = False,
     load: float | None = None,
     warmup_s: float = WARMUP_S,
+    probe_out: Path | None = None,
 ) -> pd.DataFrame:
     """Measure ``exp``'s policies (kvroute's, or production routers) on ``hardware``;
     write ``out``'s records, summary and load.json.
@@ -182,7 +184,11 @@ def measure_experiment(
     them (an exact view; the production routers ignore them). ``load``: only that value
     of the experiment's load axis (default every value, each its own set of runs); the
     records carry it (``load_param``, ``load``). ``warmup_s``: how long real engines are
-    warmed up before the first run (:func:`warm_up`; 0: not at all).
+    warmed up before the first run (:func:`warm_up`; 0: not at all). ``probe_out``: probe
+    the engines before and after the measurement (:class:`~kvroute.live.probe.BracketProbe`,
+    real engines only) and write those probe requests there
+    (:func:`~kvroute.live.probe.write_probed`), apart from the records: `kvroute calibrate
+    --probe --probed` fits them and sees nothing else.
 
     Raises:
         EngineError: an engine or a production router cannot be started or reached
@@ -190,14 +196,19 @@ def measure_experiment(
     """
     try:
         return _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale,
-                                   max_requests, time_limit_s, kv_events, load, warmup_s)
+                                   max_requests, time_limit_s, kv_events, load, warmup_s, probe_out)
     except PeerError as exc:
         raise EngineError(str(exc)) from exc
 
 
 def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale, max_requests,
-                        time_limit_s, kv_events=False, load=None, warmup_s=WARMUP_S) -> pd.DataFrame:
+                        time_limit_s, kv_events=False, load=None, warmup_s=WARMUP_S, probe_out=None) -> pd.DataFrame:
     hw = load_hardware(hardware)
+    bracket = None
+    if probe_out is not None:
+        if (engine or hw.engine.kind) == "emulator":
+            raise EngineError("--probe calibrates real engines; the emulator runs the simulator's own step times")
+        bracket = BracketProbe(hw)
     runs = exp.expand(policies, hardware, rounds, round_, measured=True, load=load)
     signal = exp.load_signal
     if signal.source == "events" and not kv_events:
@@ -224,6 +235,9 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
                     "workers": engines.cpu_affinity(), "gateway_and_loadgen": sorted(os.sched_getaffinity(0)),
                     "client_worker": engines.names[hw.engine.client_worker] if pinned else None}
         log.info("CPU affinity: %s", affinity)
+        if bracket is not None:
+            log.info("probing %s before the measurement (its own requests, every worker alone)", hardware)
+            bracket.before(engines)
         warmup = {}
         if runs and engines.kind != "emulator" and warmup_s > 0:  # the emulator has no first-load cost
             log.info("warming up %s for at most %.0f s (unrecorded)", hardware, warmup_s)
@@ -256,10 +270,19 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
             client_cpu[key] = round(time.process_time() - cpu0, 3)
             checks[key] = result.cross_check()
             loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))
+        if bracket is not None:
+            log.info("probing %s after the measurement", hardware)
+            bracket.after(engines)
     summary = write_results(records, out, workers=workers,
                             extra={"engine": engine or hw.engine.kind, "cross_check": checks, "per_worker": loads,
                                    "kv_events": kv_events, "cpu_affinity": affinity, "client_cpu_s": client_cpu,
                                    "load_signal": signal.label, "warmup": warmup})
+    if bracket is not None:
+        from kvroute.probefit import plan_facts
+
+        write_probed(probe_out, bracket.requests, plan_facts(bracket.plan, hw) | bracket.facts)
+        log.info("wrote %s: %d probe requests (fit them with kvroute calibrate --probe --probed)", probe_out,
+                 len(bracket.requests))
     return _imbalance_from_metrics(summary, records, loads, out)
 
 

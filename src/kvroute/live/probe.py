@@ -434,8 +434,8 @@ async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, p
 
     Alone, so that the fitted family is an engine beside idle neighbours, which the simulator
     slows by ``neighbour_slowdown`` while a neighbour runs (the neighbour phase measures it).
-    The workers take turns within each repetition, in an order rotated per repetition, so a
-    drift of the machine's speed is shared between them. Where ``cpus`` gives each worker's
+    The workers take turns within each repetition, in an order rotated per repetition (and
+    session), so a drift of the machine's speed is shared between them. Where ``cpus`` gives each worker's
     CPUs, this process (the client) is pinned to the next worker's while one is probed: off
     the probed engine's core, whose client costs ``client_interference`` accounts for.
 
@@ -454,7 +454,8 @@ async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, p
             for p in probers:
                 await p.start()
             for rep in range(plan.repetitions):
-                for i in [(rep + j) % n for j in range(n)]:
+                turn = session * plan.repetitions + rep  # rotated across sessions too
+                for i in [(turn + j) % n for j in range(n)]:
                     with pinned_process(list(cpus[(i + 1) % n]) if n > 1 else []):
                         await probers[i].repetition(rep)
     except aiohttp.ClientError as exc:
@@ -685,18 +686,63 @@ def refused_probe(engines, model: str, plan: ProbePlan, words: int = 150) -> lis
     return rows
 
 
+#: the phases of a probe's last session, in the order they run (:func:`probe_phases`)
+PHASES = ("refused", "client", "interference", "neighbour")
+
+
+def probe_phases(eng, hw, plan: ProbePlan, phases: Sequence[str] = PHASES) -> dict:
+    """Run ``phases`` of ``plan`` (those of :data:`PHASES` it asks for and ``hw`` allows) on the
+    running engines ``eng``; their rows, keyed by phase (``client_cpus`` too, with ``client``)."""
+    from kvroute.live.engines import served_model_name
+
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown:
+        raise ValueError(f"unknown probe phases {unknown}; known: {', '.join(PHASES)}")
+    facts: dict = {}
+    client = eng.client_cpus(hw)
+    for phase in (p for p in PHASES if p in phases):
+        if phase == "refused" and plan.refused_repetitions:
+            facts["refused"] = refused_probe(eng, served_model_name(hw), plan)
+        elif phase == "client" and plan.client_repetitions:
+            # pinned as kvroute measure pins its client (engine.client_worker), on fresh caches
+            eng.reset_prefix_cache()
+            with pinned_process(client) as cpus:
+                facts["client_cpus"] = cpus
+                facts["client"] = client_probe(eng, hw, plan)
+        elif (phase == "interference" and plan.interference_repetitions and hw.engine.client_worker is not None
+              and client):
+            eng.reset_prefix_cache()
+            facts["interference"] = interference_probe(eng, hw, plan)
+        elif phase == "neighbour" and plan.neighbour_repetitions and len(eng.urls) > 1 and client:
+            eng.reset_prefix_cache()
+            facts["neighbour"] = neighbour_probe(eng, hw, plan)
+    eng.reset_prefix_cache()
+    return facts
+
+
+def probe_session(eng, hw, plan: ProbePlan, session: int, phases: Sequence[str] = ()) -> tuple[list[ProbeRequest], dict]:
+    """One session of ``plan`` on the running engines ``eng`` (every worker, one at a time,
+    :func:`probe_workers`), then ``phases``; its requests and the phases' rows."""
+    from kvroute.live.engines import served_model_name
+
+    requests = asyncio.run(probe_workers(eng.names, eng.urls, served_model_name(hw), plan, hw.engine.max_num_seqs,
+                                         session=session, cpus=[s.cpus for s in eng.specs]))
+    return requests, probe_phases(eng, hw, plan, phases)
+
+
 def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = None,
               model_dir=None, python: str | None = None) -> tuple[list[ProbeRequest], dict]:
     """Start ``hw``'s engines (only ours, on 127.0.0.1), probe them with ``plan``, stop them;
     ``plan.sessions`` times, each in a folder of ``run_dir``, so that every worker is several
     engine processes (what differs between processes differs between calibrations too).
+    The last session ends with every phase (:data:`PHASES`).
 
     Returns every probe request and the facts of the run (start-up and probe seconds per
     session, the machine's load average before and after: the cores may be shared).
     """
     from pathlib import Path
 
-    from kvroute.live.engines import running_engines, served_model_name
+    from kvroute.live.engines import running_engines
 
     plan = plan or ProbePlan()
     kind = kind or hw.engine.kind
@@ -710,25 +756,81 @@ def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = 
         with running_engines(hw, run_dir=Path(run_dir) / f"session{session}", kind=kind, host="127.0.0.1",
                              model_dir=model_dir, python=python) as eng:
             t1 = time.monotonic()
-            requests += asyncio.run(probe_workers(eng.names, eng.urls, served_model_name(hw), plan,
-                                                  hw.engine.max_num_seqs, session=session,
-                                                  cpus=[s.cpus for s in eng.specs]))
-            if session == plan.sessions - 1 and plan.refused_repetitions:
-                facts["refused"] = refused_probe(eng, served_model_name(hw), plan)
-            if session == plan.sessions - 1 and plan.client_repetitions:
-                # pinned as kvroute measure pins its client (engine.client_worker), on fresh caches
-                eng.reset_prefix_cache()
-                with pinned_process(eng.client_cpus(hw)) as cpus:
-                    facts["client_cpus"] = cpus
-                    facts["client"] = client_probe(eng, hw, plan)
-                if plan.interference_repetitions and hw.engine.client_worker is not None and eng.client_cpus(hw):
-                    eng.reset_prefix_cache()
-                    facts["interference"] = interference_probe(eng, hw, plan)
-                if plan.neighbour_repetitions and len(eng.urls) > 1 and eng.client_cpus(hw):
-                    eng.reset_prefix_cache()
-                    facts["neighbour"] = neighbour_probe(eng, hw, plan)
+            rows, phases = probe_session(eng, hw, plan, session, PHASES if session == plan.sessions - 1 else ())
+            requests += rows
+            facts |= phases
             t2 = time.monotonic()
         facts["startup_s"].append(round(t1 - t0, 1))
         facts["probe_s"].append(round(t2 - t1, 1))
     facts["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     return requests, facts
+
+
+class BracketProbe:
+    """The probe split around a measurement, on the engines it measures: a session (every
+    worker alone, then the refused and client phases) before the measurement and one (then
+    the interference and neighbour phases) after it, so that the fit is of the very engine
+    processes the measurement ran, at the machine's speed on either side of it.
+
+    ``kvroute measure --probe OUT`` runs it (:func:`kvroute.live.measure.measure_experiment`).
+    The measurement's records are never its inputs: it sees only its own requests.
+    """
+
+    BEFORE = ("refused", "client")
+    AFTER = ("interference", "neighbour")
+
+    def __init__(self, hw, plan: ProbePlan | None = None) -> None:
+        self.hw = hw
+        self.plan = plan or ProbePlan()
+        if self.plan.sessions != 2:
+            raise ValueError(f"a bracketing probe runs 2 sessions (before and after), not {self.plan.sessions}")
+        self.requests: list[ProbeRequest] = []
+        self.facts: dict = {"load_average_before": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count(),
+                            "probe_s": [],
+                            "bracket": "session 0 before the measurement, session 1 after it, on the same engines"}
+
+    def _session(self, eng, session: int, phases: Sequence[str]) -> None:
+        t0 = time.monotonic()
+        rows, facts = probe_session(eng, self.hw, self.plan, session, phases)
+        self.requests += rows
+        self.facts |= facts
+        self.facts["probe_s"].append(round(time.monotonic() - t0, 1))
+
+    def before(self, eng) -> None:
+        self._session(eng, 0, self.BEFORE)
+
+    def after(self, eng) -> None:
+        self._session(eng, 1, self.AFTER)
+        self.facts["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+
+
+def write_probed(path, requests: Sequence[ProbeRequest], probed: dict) -> None:
+    """``requests`` (their :meth:`~ProbeRequest.row`) and ``probed`` (the plan and the run's
+    facts) to ``path``, atomically, as JSON: what `kvroute calibrate --probe --probed PATH`
+    fits, with no engine running."""
+    from pathlib import Path
+
+    from kvroute.records import write_atomic
+
+    def clean(v):
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    rows = [{k: clean(v) for k, v in r.row().items()} for r in requests]
+    text = json.dumps({"probed": probed, "requests": rows}, indent=None, allow_nan=False)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(path), lambda tmp: Path(tmp).write_text(text + "\n"))
+
+
+def read_probed(path) -> tuple[list[ProbeRequest], dict]:
+    """What :func:`write_probed` wrote: the requests and the ``probed`` facts.
+
+    Raises:
+        ValueError: ``path`` is not such a file (the message names what is missing).
+    """
+    from pathlib import Path
+
+    try:
+        d = json.loads(Path(path).read_text())
+        return [ProbeRequest.from_row(r) for r in d["requests"]], dict(d["probed"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a probe file of `kvroute measure --probe` ({type(exc).__name__}: {exc})") from exc
