@@ -7,9 +7,10 @@ temperature 0, ``ignore_eos``, a fixed ``max_tokens``), and reads the engines' o
 from :mod:`kvroute.live.text` keyed by a per-probe name, so no two probes share a KV
 block unless a phase repeats a prompt on purpose. The engines are started ``sessions``
 times (each worker is then several engine processes). Per worker and session: two warm-up requests
-whose timings are dropped (the first request allocates), then ``repetitions`` times
-every kind of probe below (the API probes spread over the repetitions), so that a
-repetition is one stretch of time:
+whose timings are dropped (the first request allocates), ``warmup_repetitions`` untimed
+repetitions (sent and dropped: the first stretch of probes after a start, or after a
+measurement's load, runs slow), then ``repetitions`` times every kind of probe below (the
+API probes spread over the repetitions), so that a repetition is one stretch of time:
 
 * ``api``: minimal prompts (a few words, 2 tokens out). The API server's cost per
   request is the client's TTFT less the engine's own queue and prefill time (the
@@ -111,6 +112,9 @@ class ProbePlan:
     prefill_words: tuple[int, ...] = (128, 384, 768, 1152, 1536, 2000, 2500, 3000)
     sessions: int = 2  # times the engines are started afresh (each worker a new engine process)
     repetitions: int = 2  # per session, of every probe kind; the API probes are spread over them
+    # untimed repetitions first, per worker and session (sent and dropped): the first stretch
+    # of probes after an engine starts, or after a measurement's load, runs slow
+    warmup_repetitions: int = 1
     prefill_tokens: int = 4  # tokens out of a prefill probe (only its first token is timed)
     decode_batches: tuple[int, ...] | None = None  # default: 1 .. max_num_seqs
     decode_words: tuple[int, ...] = (128, 2000)
@@ -138,8 +142,9 @@ class ProbePlan:
     refused_requests: int = 200  # requests per batch (the process CPU clock ticks every 10 ms)
 
     def __post_init__(self) -> None:
-        if self.api_probes < 3 or self.repetitions < 1 or self.sessions < 1:
-            raise ValueError("a probe plan needs at least 3 API probes, one session and one repetition")
+        if self.api_probes < 3 or self.repetitions < 1 or self.sessions < 1 or self.warmup_repetitions < 0:
+            raise ValueError("a probe plan needs at least 3 API probes, one session and one repetition "
+                             "(and warmup_repetitions >= 0)")
         if self.busy_probes < 0 or self.busy_tokens < 8:
             raise ValueError("a probe plan's busy_probes must be >= 0 and busy_tokens >= 8")
         if self.decode_tokens < 8:
@@ -245,9 +250,9 @@ def _progress_disabled() -> bool:
 class _Progress:
     """One line on stderr, rewritten: requests done of all, seconds so far (quiet under CI)."""
 
-    def __init__(self, total: int, label: str = "probe") -> None:
+    def __init__(self, total: int, label: str = "probe", quiet: bool | None = None) -> None:
         self.total, self.done, self.t0, self.label = total, 0, time.monotonic(), label
-        self.quiet = _progress_disabled()
+        self.quiet = _progress_disabled() if quiet is None else quiet
 
     def step(self, n: int = 1) -> None:
         self.done += n
@@ -283,6 +288,19 @@ class WorkerProber:
         for i in range(2):
             await self._sequential(ProbeRequest(self.name, "warmup", self._key("warmup", i), 64, 4))
         await self._reset_cache()
+
+    async def warm_repetition(self, i: int = 0) -> None:
+        """A repetition sent and dropped, under keys of its own: on a fresh engine the first
+        stretch of prefill probes ran up to 3 times as long as the next, and after a
+        measurement the first decode batches 15-25% longer (docs/costmodel.md)."""
+        kept, nonce, progress = len(self.requests), self.nonce, self.progress
+        self.nonce, self.progress = f"{nonce}-warm{i}", _Progress(0, "", quiet=True)
+        try:
+            await self.repetition(i % self.plan.repetitions)
+        finally:
+            self.nonce, self.progress = nonce, progress
+            self._last = None
+            del self.requests[kept:]
 
     async def repetition(self, rep: int) -> None:
         """Repetition ``rep``: one stretch of time holding every kind of probe, so a change of
@@ -453,6 +471,10 @@ async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, p
                        for name, u in zip(names, urls)]
             for p in probers:
                 await p.start()
+            for i in range(plan.warmup_repetitions):
+                for j, p in enumerate(probers):
+                    with pinned_process(list(cpus[(j + 1) % n]) if n > 1 else []):
+                        await p.warm_repetition(i)
             for rep in range(plan.repetitions):
                 turn = session * plan.repetitions + rep  # rotated across sessions too
                 for i in [(turn + j) % n for j in range(n)]:
