@@ -292,7 +292,7 @@ class WorkerProber:
     async def warm_repetition(self, i: int = 0) -> None:
         """A repetition sent and dropped, under keys of its own: on a fresh engine the first
         stretch of prefill probes ran up to 3 times as long as the next, and after a
-        measurement the first decode batches 15-25% longer (docs/costmodel.md)."""
+        measurement the first decode batches 14-37% longer (docs/costmodel.md)."""
         kept, nonce, progress = len(self.requests), self.nonce, self.progress
         self.nonce, self.progress = f"{nonce}-warm{i}", _Progress(0, "", quiet=True)
         try:
