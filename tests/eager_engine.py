@@ -162,7 +162,7 @@ class Engine:
             k = self._steps_with_blocks(sched, self._min_left)  # blocks are taken in commit, for steps run
             ends = self.model.decode_steps(len(sched), self._dec_ctx, k, self.share)
             return Plan(sched, ends, True)
-        t = self.model.step_time(self._n_dec, self._dec_ctx, self._prefills, self.share)
+        t = self.model.step_time(self._n_dec, self._dec_ctx, self._prefills, self.share, self._admissions)
         return Plan(sched, [t], False)
 
     def commit(self, plan: Plan, steps: int, start_s: float) -> tuple[list[EngineRequest], list[EngineRequest]]:
@@ -355,12 +355,14 @@ class Engine:
         self._dec_ctx = dec_ctx
         self._min_left = min_left
         self._has_prefill = bool(prefills)
+        self._admissions = 0
         if preempted:
             return sched
         pool = self.pool
         waiting = self.waiting
         while waiting and budget > 0 and len(running) < self.max_seqs:
             r = waiting[0]
+            first = r.cached_tokens < 0  # a preempted request's re-admission is not a new one
             if r.num_computed == 0:
                 hashes = r.hashes[: (r.prompt_tokens - 1) // bs]
                 hit_blocks = pool.match(hashes)
@@ -387,6 +389,8 @@ class Engine:
             sched.append((r, n))
             prefills.append((n, c))
             self._has_prefill = True
+            if first:
+                self._admissions += 1
             budget -= n
         return sched
 

@@ -583,6 +583,8 @@ def test_api_cost_at_length_takes_the_nearest_probed_length():
 
 
 def test_probe_costs_and_predicted_ttft():
+    from dataclasses import replace
+
     from kvroute.hardware import load_hardware
 
     entry = {"api_overhead_ms": 6.5, "provenance": {"measured": {"api_cost_ms": {"value": 4.5},
@@ -594,6 +596,9 @@ def test_probe_costs_and_predicted_ttft():
     warm, cold = (sticky.predicted_ttft_ms(hw, 3142, c, 0.0) for c in (2944, 0))
     assert 0 < warm < cold
     assert sticky.predicted_ttft_ms(hw, 3142, 2944, 10.0) == pytest.approx(warm + 10.0)
+    # an engine that admits in 3 ms pays it once, in the first of the cold prompt's chunks
+    admitting = replace(hw, coefficients=replace(hw.coefficients, admission_ms=3.0))
+    assert sticky.predicted_ttft_ms(admitting, 3142, 0, 0.0) == pytest.approx(cold + 3.0)
     # the cold prompt is prefilled in chunks of max_num_batched_tokens: two steps, each with its fixed cost
     one_step = sticky.predicted_ttft_ms(hw, hw.engine.max_num_batched_tokens, 0, 0.0)
     assert cold > one_step

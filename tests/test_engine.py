@@ -9,7 +9,7 @@ every commit is checked against the scheduling limits and the block accounting.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -26,7 +26,8 @@ from eager_engine import Engine as EagerEngine
 from eager_engine import EngineRequest as EagerRequest
 from test_pool import check_pool_invariants
 
-MODEL = StepTimeModel.from_hardware(load_hardware("a6000x4"))
+# with an admission cost (the CPU build's; 0 on the GPU families), so every step that admits is priced apart
+MODEL = replace(StepTimeModel.from_hardware(load_hardware("a6000x4")), admission_s=2e-3)
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -562,3 +563,30 @@ def test_interrupted_fast_path_does_not_evict_more_than_single_stepping():
     check_blocks(eng)
     # one decode step (4 -> 5 tokens) needs 1 more block, and an unhashed one is free
     assert eng.pool.num_cached_blocks(hs) == 10
+
+
+def test_a_step_that_admits_requests_costs_admission_s_more_for_each():
+    """Admission is engine time in the step that admits (vLLM's, a few ms on the CPU build),
+    so a decoder batched with two new requests waits for both; a long prompt's later chunk,
+    and every step that admits nothing, cost what they would without it."""
+    bs, budget = 16, 64
+    durations = {}
+    for name, model in (("admits", MODEL), ("free", replace(MODEL, admission_s=0.0))):
+        eng = Engine("e", model, 256, bs, budget, 8)
+        eng.add(make_request(0, 20, 30, bs))
+        steps: list[float] = []
+        plans = 0
+        while not eng.idle:
+            eng.now = 0.0
+            plan = eng.plan()
+            steps += np.diff([0.0, *plan.ends]).tolist()
+            eng.commit(plan, len(plan.ends) if plans else 1, 0.0)
+            if plans == 0:  # r0 decodes while two arrive: 40 tokens, and 100 in two chunks
+                eng.add(make_request(1, 40, 5, bs))
+                eng.add(make_request(2, 100, 5, bs))
+            plans += 1
+        durations[name] = steps
+    extra = np.array(durations["admits"]) - np.array(durations["free"])
+    assert extra[:2] == pytest.approx([MODEL.admission_s, 2 * MODEL.admission_s])
+    assert extra[2:] == pytest.approx(np.zeros(len(extra) - 2), abs=1e-15)
+    assert len(extra) > 3  # r2's second chunk, then decode steps

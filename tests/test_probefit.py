@@ -28,7 +28,7 @@ def synthetic_requests(noise: float = 0.0, seed: int = 1) -> list[ProbeRequest]:
     """What the probe would record from engines that run exactly the model with TRUTH
     (times multiplied by lognormal noise of ``noise``): both workers, every phase."""
     rng = np.random.default_rng(seed)
-    m, budget = model_at(HW, TRUTH), HW.engine.max_num_batched_tokens
+    m, budget = model_at(HW, TRUTH | {"admission_ms": ADMISSION_MS}), HW.engine.max_num_batched_tokens
     block = HW.engine.block_size
 
     def jitter(x):
@@ -38,7 +38,7 @@ def synthetic_requests(noise: float = 0.0, seed: int = 1) -> list[ProbeRequest]:
     for w in HW.worker_names:
         for i in range(PLAN.api_probes):
             prompt = PLAN.api_words + TEMPLATE
-            pre = jitter(predict(Observation("prefill", prompt, 0, 1, 1.0), m, budget, ADMISSION_MS)) / 1e3
+            pre = jitter(predict(Observation("prefill", prompt, 0, 1, 1.0), m, budget)) / 1e3
             api = (API_MS + PER_PROMPT_TOKEN_MS * prompt + JITTER_MS * float(rng.uniform(-1, 1))) / 1e3
             reqs.append(ProbeRequest(w, "api", f"a{i}", PLAN.api_words, 2, rep=i % 2, sent_s=t, token_s=[t + api + pre] * 2,
                                      prompt_tokens=prompt, output_tokens=2,
@@ -49,7 +49,7 @@ def synthetic_requests(noise: float = 0.0, seed: int = 1) -> list[ProbeRequest]:
                 prompt = n + TEMPLATE
                 for warm in (False, True):
                     cached = (prompt - 1) // block * block if warm else 0
-                    pre = jitter(predict(Observation("prefill", prompt, cached, 1, 1.0), m, budget, ADMISSION_MS)) / 1e3
+                    pre = jitter(predict(Observation("prefill", prompt, cached, 1, 1.0), m, budget)) / 1e3
                     api = (API_MS + PER_PROMPT_TOKEN_MS * prompt + JITTER_MS * float(rng.uniform(-1, 1))) / 1e3
                     reqs.append(ProbeRequest(w, "prefill", f"p{rep}:{n}", n, 4, warm=warm, rep=rep, sent_s=t,
                                              token_s=[t + api + pre + 0.01 * k for k in range(4)], prompt_tokens=prompt,
@@ -85,9 +85,9 @@ def synthetic_requests(noise: float = 0.0, seed: int = 1) -> list[ProbeRequest]:
                 reqs.append(ProbeRequest(w, "busy_background", f"b{i}:bg{j}", 32, 96, rep=i % 2, batch=n_bg + 1,
                                          sent_s=t, token_s=[t + 0.01 * k for k in range(96)], prompt_tokens=bg_prompt,
                                          output_tokens=96))
-            pre = predict(Observation("prefill", prompt, 0, 1, 1.0), m, budget, ADMISSION_MS) / 1e3
+            pre = predict(Observation("prefill", prompt, 0, 1, 1.0), m, budget) / 1e3
             idle = API_MS + PER_PROMPT_TOKEN_MS * prompt
-            api = (BUSY_FACTOR * (idle + ADMISSION_MS) - ADMISSION_MS) / 1e3 + wait
+            api = BUSY_FACTOR * idle / 1e3 + wait
             reqs.append(ProbeRequest(w, "api_busy", f"b{i}", words, 2, rep=i % 2, batch=n_bg + 1, sent_s=t,
                                      token_s=[t + api + pre] * 2, prompt_tokens=prompt, output_tokens=2,
                                      engine={"queue_s": 0.0, "prefill_s": pre, "decode_s": 0.0, "ttft_s": pre,
@@ -102,8 +102,9 @@ def test_the_fit_recovers_known_coefficients():
     assert fit.rms_log_error() < 0.01
     assert fit.measured["admission_ms"]["value"] == pytest.approx(ADMISSION_MS, rel=0.05)
     assert fit.measured["api_cost_ms"]["value"] == pytest.approx(API_MS, abs=1.0)
-    # the simulator pays the admission with the API server's cost
-    assert fit.coefficients["api_overhead_ms"] == pytest.approx(API_MS + ADMISSION_MS, abs=1.0)
+    # admission is the engine's (its first step), not the API server's
+    assert fit.coefficients["admission_ms"] == pytest.approx(ADMISSION_MS, rel=0.05)
+    assert fit.coefficients["api_overhead_ms"] == pytest.approx(API_MS, abs=1.0)
     # uniform in API_MS +- JITTER_MS: the interquartile range is JITTER_MS
     assert fit.coefficients["api_jitter_ms"] == pytest.approx(JITTER_MS, rel=0.3)
     assert fit.measured["api_per_token_ms"]["value"] == pytest.approx(0.0, abs=1e-6)
@@ -139,13 +140,15 @@ def test_noisy_probes_give_the_truth_within_the_stated_errors():
 
 
 def test_prefill_is_predicted_in_the_engine_s_chunks():
-    m, budget = model_at(HW, TRUTH), HW.engine.max_num_batched_tokens
+    m, budget = model_at(HW, TRUTH | {"admission_ms": ADMISSION_MS}), HW.engine.max_num_batched_tokens
     long = predict(Observation("prefill", budget + 500, 0, 1, 1.0), m, budget)
     chunks = 1e3 * (m.step_time(0, 0, [(budget, 0)]) + m.step_time(0, 0, [(500, budget)]))
-    assert long == pytest.approx(chunks)
-    assert long != pytest.approx(1e3 * m.step_time(0, 0, [(budget + 500, 0)]))  # two steps, not one
+    assert long == pytest.approx(chunks + ADMISSION_MS)  # the first step admits it, once
+    assert long != pytest.approx(1e3 * m.step_time(0, 0, [(budget + 500, 0)], admissions=1))  # two steps, not one
     warm = predict(Observation("prefill", 1000, 896, 1, 1.0), m, budget)
-    assert warm == pytest.approx(1e3 * m.step_time(0, 0, [(104, 896)]))
+    assert warm == pytest.approx(1e3 * m.step_time(0, 0, [(104, 896)]) + ADMISSION_MS)
+    assert predict(Observation("prefill", 1000, 896, 1, 1.0), model_at(HW, TRUTH), budget) == pytest.approx(
+        warm - ADMISSION_MS)
 
 
 def test_a_decode_batch_is_one_sample_of_the_engine_s_inter_token_latency():

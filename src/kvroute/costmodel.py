@@ -78,6 +78,8 @@ class StepTimeModel:
     #: / peak``, the body's rate, by the expression the model always had (the same bits)
     attn_cached_s_per_pair: float | None = None
     attn_chunk_s_per_pair: float | None = None
+    #: seconds a step spends admitting each request that starts in it (``Coefficients.admission_ms``)
+    admission_s: float = 0.0
 
     @classmethod
     def from_hardware(cls, hw: Hardware) -> StepTimeModel:
@@ -103,6 +105,7 @@ class StepTimeModel:
             per_seq_overhead_s=c.per_seq_overhead_ms * 1e-3,
             comm_step_s=comm_step,
             comm_per_token_s=comm_token,
+            admission_s=c.admission_ms * 1e-3,
             **attention_rates(4.0 * m.layers * m.heads * m.head_dim, hw.tflops * TFLOP * tp,
                               c.attn_cached_efficiency, c.attn_chunk_efficiency),
         )
@@ -117,6 +120,7 @@ class StepTimeModel:
         decode_ctx: int,
         prefills: Iterable[tuple[int, int]] = (),
         share: float = 1.0,
+        admissions: int = 0,
     ) -> float:
         """Seconds for one step.
 
@@ -125,6 +129,7 @@ class StepTimeModel:
             decode_ctx: total context tokens those sequences attend to.
             prefills: ``(q, c)`` pairs: q new prompt tokens after c computed ones.
             share: how many workers are time-sharing the device right now.
+            admissions: requests admitted in this step (their first chunk is among ``prefills``).
         """
         seqs, tokens, ctx, pairs = n_decode, n_decode, decode_ctx, float(decode_ctx)
         if self.attn_cached_s_per_pair is None:
@@ -149,6 +154,8 @@ class StepTimeModel:
         fixed = self.step_overhead_s + self.per_seq_overhead_s * seqs
         if self.comm_step_s or self.comm_per_token_s:  # tensor parallel (kept out on one GPU: same bits)
             fixed += self.comm_step_s + self.comm_per_token_s * tokens
+        if admissions:
+            fixed += self.admission_s * admissions
         return share * (fixed + max(mem, comp))
 
     def decode_steps(self, n: int, ctx0: int, k: int, share: float = 1.0) -> list[float]:

@@ -164,6 +164,10 @@ class Coefficients:
     #: body's rate, ``compute_efficiency``) where unmeasured (kvroute.costmodel)
     attn_cached_efficiency: float | None = None
     attn_chunk_efficiency: float | None = None
+    #: the engine time a request's first step costs beyond a step of its tokens (vLLM admits
+    #: it: on the CPU build a few ms), paid in that step, so the requests batched with it wait
+    #: for it too; fitted by the CPU probes beside the step coefficients, 0 where unmeasured
+    admission_ms: float = 0.0
 
     def client_request_s(self, prompt_tokens: int) -> float:
         """The client's CPU seconds for routing and sending one request of ``prompt_tokens``."""

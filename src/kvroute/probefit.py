@@ -23,24 +23,24 @@ The API server's cost is measured, not fitted: per minimal probe, the client's t
 to first token less the engine's queue and prefill time; its median and its
 interquartile range ``api_jitter_ms`` (the simulator draws the cost uniformly in
 ``api_overhead_ms ± api_jitter_ms``, whose interquartile range is exactly
-``api_jitter_ms``), each with a bootstrap standard error. A request's first step costs
-more than a step of its tokens (vLLM admits it: on the CPU build a few ms); the fit
-finds that ``admission_ms`` beside the step coefficients, and since the simulator has
-no such term and a request pays it once before its first token, it is added to
-``api_overhead_ms``. The API server also templates and tokenises the whole chat before the
-engine sees it, so its cost grows with the prompt: the same difference, taken on every
-minimal and prefill probe (16 to 3,012 tokens), gives ``api_per_prompt_token_ms``, the
-Theil-Sen slope against prompt tokens (robust to a contended probe; se from its 95% interval),
-and ``api_cost_ms`` is the minimal probes' median less that slope's share. On the CPU build
-the API server shares its core with the engine core, so while the engine runs it gets only part
-of the core: the ``api_busy`` probes (sent while other streams decode) give ``api_busy_factor``,
-the median ratio of their delay to the idle one at their length (``admission_ms`` added to both,
-as the simulator charges it), each less the wait for the engine's step in progress (half a
-decode step of the streams beside it: vLLM starts its queue time only when the engine core
-takes the request, between steps, and the simulator's engine charges that wait itself). The
-simulator stretches the API work by it while the engine runs and, the two processes sharing
-the core fairly, slows the engine for as long (kvroute.sim.cluster). The cost per
-streamed token (client gap less the engine's) is reported; the simulator has no such term.
+``api_jitter_ms``), each with a bootstrap standard error. A request's first step costs more
+than a step of its tokens (vLLM admits it: on the CPU build a few ms); the fit finds that
+``admission_ms`` beside the step coefficients. It is engine time: the simulator's engine adds
+it to the step that admits a request, where the requests batched with it wait for it too, so
+``api_overhead_ms`` is the API server's cost alone. The API server also templates and tokenises
+the whole chat before the engine sees it, so its cost grows with the prompt: the same
+difference, taken on every minimal and prefill probe (16 to 3,012 tokens), gives
+``api_per_prompt_token_ms``, the Theil-Sen slope against prompt tokens (robust to a contended
+probe; se from its 95% interval), and ``api_cost_ms`` is the minimal probes' median less that
+slope's share. On the CPU build the API server shares its core with the engine core, so while
+the engine runs it gets only part of the core: the ``api_busy`` probes (sent while other
+streams decode) give ``api_busy_factor``, the median ratio of their delay to the idle one at
+their length, each less the wait for the engine's step in progress (half a decode step of the
+streams beside it: vLLM starts its queue time only when the engine core takes the request,
+between steps, and the simulator's engine charges that wait itself). The simulator stretches
+the API work by it while the engine runs and, the two processes sharing the core fairly, slows
+the engine for as long (kvroute.sim.cluster). The cost per streamed token (client gap less the
+engine's) is reported; the simulator has no such term.
 
 The client (the gateway and the load generator, one process) costs CPU too, per request
 routed, per prompt token and per streamed token, and on the CPU build it runs on a worker's
@@ -103,25 +103,26 @@ class Observation:
         return f"decode_step seqs={self.seqs} context={self.tokens}"
 
 
-def predict(o: Observation, model: StepTimeModel, budget: int, admission_ms: float = 0.0) -> float:
-    """The simulator's time (ms) for the work of ``o`` on an otherwise idle engine, plus
-    ``admission_ms`` for a prefill (see :func:`fit_probes`)."""
+def predict(o: Observation, model: StepTimeModel, budget: int) -> float:
+    """The simulator's time (ms) for the work of ``o`` on an otherwise idle engine (a
+    prefill's first step admits it: ``model.admission_s``)."""
     if o.kind == "decode_step":
         return 1e3 * model.step_time(o.seqs, o.seqs * o.tokens)
-    done, left, total = o.cached, o.tokens - o.cached, admission_ms * 1e-3
+    done, left, total = o.cached, o.tokens - o.cached, 0.0
     while left > 0:
         q = min(budget, left)
-        total += model.step_time(0, 0, [(q, done)])
+        total += model.step_time(0, 0, [(q, done)], admissions=int(done == o.cached))
         done, left = done + q, left - q
     return 1e3 * total
 
 
 def model_at(hw: Hardware, coef: dict[str, float]) -> StepTimeModel:
-    """The simulator's step model of ``hw`` at ``coef`` (attention at the body's rate where
-    ``coef`` gives it none)."""
+    """The simulator's step model of ``hw`` at ``coef`` (attention at the body's rate, and no
+    admission cost, where ``coef`` gives none)."""
     m = step_model(hw.model, hw.mem_bw_gbps * GBPS * coef["mem_efficiency"],
                    hw.tflops * TFLOP * coef["compute_efficiency"], coef)
-    return replace(m, **attention_rates(m.attn_flops_per_pair, hw.tflops * TFLOP, *(coef.get(k) for k in ATTENTION)))
+    return replace(m, admission_s=coef.get(ADMISSION, 0.0) * 1e-3,
+                   **attention_rates(m.attn_flops_per_pair, hw.tflops * TFLOP, *(coef.get(k) for k in ATTENTION)))
 
 
 # -- from probe requests to samples -------------------------------------------------------------
@@ -283,7 +284,7 @@ def _estimate(s: Samples, obs: list[Observation], hw: Hardware) -> tuple[dict[st
     def residuals(x):
         c = dict(zip(names, map(float, x)))
         m = model_at(hw, c)
-        return np.array([math.log(predict(o, m, budget, c[ADMISSION]) / o.measured_ms) for o in obs])
+        return np.array([math.log(predict(o, m, budget) / o.measured_ms) for o in obs])
 
     x, se_x = fit_least_squares(residuals, x0, lo, hi)
     est = dict(zip(names, map(float, x)))
@@ -292,9 +293,9 @@ def _estimate(s: Samples, obs: list[Observation], hw: Hardware) -> tuple[dict[st
     est |= {"api_cost_ms": float(np.median(api - slope * np.asarray(s.api_tokens, dtype=float))), "api_jitter_ms": _iqr(api),
             PER_TOKEN: slope}
     est[BUSY] = busy_factor(s, est, hw)
-    # the simulator has no admission cost: a request pays it once before its first token, as it
-    # pays the API server's, so it joins api_overhead_ms (exact on an idle engine)
-    est["api_overhead_ms"] = est["api_cost_ms"] + est[ADMISSION]
+    # admission is engine time (the simulator's engine charges it in the request's first step,
+    # where the requests batched with it wait for it too), so the API server's delay is its own
+    est["api_overhead_ms"] = est["api_cost_ms"]
     return est, dict(zip(names, map(float, se_x)))
 
 
@@ -325,10 +326,10 @@ def step_wait_ms(s: Samples, est: dict[str, float], hw: Hardware) -> np.ndarray:
 def busy_ratios(s: Samples, est: dict[str, float], hw: Hardware) -> np.ndarray:
     """Each ``api_busy`` probe's delay over the idle one at its length, as the simulator
     charges them: the API cost, less the wait for the step in progress
-    (:func:`step_wait_ms`), plus ``admission_ms``, which the simulator adds to it."""
+    (:func:`step_wait_ms`)."""
     busy = np.asarray(s.busy, dtype=float).reshape(-1, 4)
-    idle = est["api_cost_ms"] + est[ADMISSION] + est[PER_TOKEN] * busy[:, 1]
-    return (busy[:, 0] - step_wait_ms(s, est, hw) + est[ADMISSION]) / idle
+    idle = est["api_cost_ms"] + est[PER_TOKEN] * busy[:, 1]
+    return (busy[:, 0] - step_wait_ms(s, est, hw)) / idle
 
 
 def busy_factor(s: Samples, est: dict[str, float], hw: Hardware) -> float:
@@ -544,7 +545,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
                PER_TOKEN: api_slope(s)[1],
                BUSY: bootstrap_se(busy_ratios(s, est, hw), np.median)
                if len(s.busy) >= 3 else math.nan}
-    se_fit["api_overhead_ms"] = math.hypot(se_fit["api_cost_ms"], se_fit[ADMISSION])
+    se_fit["api_overhead_ms"] = se_fit["api_cost_ms"]
     # a delete-one-block jackknife over (session, worker, repetition) blocks of probes; and,
     # since each engine process (a worker in one session) has its own share of the machine,
     # drawn afresh by every calibration, a leave-one-process-out jackknife for the run-to-run
@@ -559,7 +560,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     df_fit = {k: float(len(obs) - len(FITTED) - 1) for k in (*FITTED, ADMISSION)}
     df_fit |= {"api_cost_ms": len(s.api) - 1.0, "api_jitter_ms": len(s.api) - 1.0,
                PER_TOKEN: len(s.api_by_tokens) - 2.0, BUSY: len(s.busy) - 1.0}
-    df_fit["api_overhead_ms"] = min(df_fit["api_cost_ms"], df_fit[ADMISSION])
+    df_fit["api_overhead_ms"] = df_fit["api_cost_ms"]
     sources = ((se_fit, df_fit), (se_jack, dict.fromkeys(est, len(jack) - 1.0)),
                (se_workers, dict.fromkeys(est, len(per_worker) - 1.0)))
     se, dof = {}, {}
@@ -568,22 +569,20 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
         se[k], dof[k] = max(finite, default=(math.nan, math.nan))
 
     budget = hw.engine.max_num_batched_tokens
-    coef = {k: est[k] for k in FITTED}
-    admission = est[ADMISSION]
+    coef = {k: est[k] for k in (*FITTED, ADMISSION)}
     m = model_at(hw, coef)
-    predicted = [predict(o, m, budget, admission) for o in obs]
+    predicted = [predict(o, m, budget) for o in obs]
     wait = float(np.median(step_wait_ms(s, est, hw))) if s.busy else 0.0  # the busy probes' step in progress
     for row in s.rows:
         if row["kind"] == "prefill" and row["used"]:
             o = Observation("prefill", int(row["prompt_tokens"]), int(row["cached_tokens"]), 1, row["measured_ms"])
-            row["predicted_ms"] = predict(o, m, budget, admission)
+            row["predicted_ms"] = predict(o, m, budget)
         elif row["kind"] == "decode_step" and row["used"]:
             row["predicted_ms"] = predict(Observation("decode_step", int(row["context"]), 0, int(row["batch"]),
                                                       row["measured_ms"]), m, budget)
         elif row["kind"] in ("api", "api_busy"):
             idle = est["api_cost_ms"] + est[PER_TOKEN] * row["prompt_tokens"]
-            row["predicted_ms"] = (est[BUSY] * (idle + est[ADMISSION]) - est[ADMISSION] + wait
-                                   if row["kind"] == "api_busy" else idle)
+            row["predicted_ms"] = est[BUSY] * idle + wait if row["kind"] == "api_busy" else idle
     measured = {k: {"value": est[k], "se": se[k], "dof": dof[k], "se_fit": se_fit[k], "se_jackknife": se_jack[k],
                     "se_processes": se_workers[k]}
                 for k in ("api_cost_ms", ADMISSION, "api_overhead_ms", "api_jitter_ms", PER_TOKEN, BUSY)}
@@ -599,7 +598,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
                  | neighbour_slowdown(facts.get("neighbour") or []) | refused_cost(facts.get("refused") or []))
     measured |= cpu_costs
     coefficients = coef | {k: est[k] for k in MEASURED} | {k: v["value"] for k, v in cpu_costs.items()}
-    errors = {k: se[k] for k in (*FITTED, *MEASURED)} | {k: v["se"] for k, v in cpu_costs.items()}
+    errors = {k: se[k] for k in (*FITTED, ADMISSION, *MEASURED)} | {k: v["se"] for k, v in cpu_costs.items()}
     dof |= {k: v["dof"] for k, v in cpu_costs.items()}
     info = dict(probed or {})
     info["usable"] = {"api": len(s.api), "api_busy": len(s.busy), "prefill": sum(len(v) for v in s.prefill.values()),
@@ -623,7 +622,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
     info["without_process"] = {f"session {s_} {w}": {k: _sig(v) for k, v in e.items()}
                            for (s_, w), e in zip(workers, per_worker)} if len(per_worker) == len(workers) else {}
     return ProbeFit(hw.name, hw.coefficients_name, coefficients, errors, obs, predicted, s.rows, measured, info,
-                    {k: dof[k] for k in (*FITTED, *MEASURED, *cpu_costs)})
+                    {k: dof[k] for k in (*FITTED, ADMISSION, *MEASURED, *cpu_costs)})
 
 
 def interval95(se: float, dof: float) -> float:
@@ -652,7 +651,8 @@ def _stated(value: float, se: float, dof: float) -> dict[str, float]:
 def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) -> dict[str, dict]:
     """The fit as a ``hardware/coefficients.yaml`` entry of ``hw``'s family, with its provenance."""
     c = fit.coefficients
-    entry: dict = {k: _sig(c[k]) for k in (*FITTED, *MEASURED, *CLIENT, INTERFERENCE, NEIGHBOUR, REFUSED) if k in c}
+    entry: dict = {k: _sig(c[k]) for k in (*FITTED, ADMISSION, *MEASURED, *CLIENT, INTERFERENCE, NEIGHBOUR, REFUSED)
+                   if k in c}
     entry["activation_reserve_gb"] = float(hw.coefficients.activation_reserve_gb)
     e = hw.engine
     entry["provenance"] = {
@@ -674,16 +674,17 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
                         "less one) and ci95 the half-width of its 95% interval, t(0.975, dof) x se"),
         "notes": [
             "api_cost_ms is the median, api_jitter_ms the interquartile range, of (client TTFT - engine queue "
-            "- engine prefill) over the minimal probes (bootstrap se); admission_ms is what a request's prefill "
-            "step costs beyond a step of its tokens (fitted with the step coefficients); the simulator has no such "
-            "term, so api_overhead_ms = api_cost_ms + admission_ms, which it pays once before its first token",
+            "- engine prefill) over the minimal probes (bootstrap se), and api_overhead_ms = api_cost_ms; "
+            "admission_ms is what a request's first step costs the engine beyond a step of its tokens (fitted with "
+            "the step coefficients), which the simulator's engine adds to that step, so the requests batched "
+            "with it wait for it too",
             "api_per_prompt_token_ms is the Theil-Sen slope of that difference against prompt tokens over the "
             "minimal and prefill probes (se: its 95% interval / 3.92): the API server templates and tokenises "
             "the whole chat, and the simulator adds it times a request's prompt tokens to its API delay; "
             "api_cost_ms is the minimal probes' median less the slope's share",
             "api_busy_factor is the median, over API probes sent while max_num_seqs - 1 other streams decoded on "
-            "the same engine, of their delay over the idle one at their length, each with admission_ms added as "
-            "the simulator charges it and less half a decode step of the streams beside it (the wait for the "
+            "the same engine, of their delay over the idle one at their length, each less half a decode step "
+            "of the streams beside it (the wait for the "
             "step in progress, which the simulator's engine charges itself; bootstrap se; 1 without such "
             "probes): on the CPU build the API server shares its core with the engine core; the simulator runs "
             "a request's API work at 1/f of its speed while its engine runs, and the engine's steps f/(f-c) "

@@ -197,8 +197,8 @@ def api_cost_at_length(probes: pd.DataFrame, prompt_tokens: float) -> tuple[floa
 def probe_costs(entry: dict) -> dict[str, float]:
     """The API server's measured costs in a probe calibration's coefficients entry
     (``provenance.measured``): ``api_cost_ms`` (a minimal prompt, outside the engine),
-    ``admission_ms`` (a request's first step beyond a step of its tokens) and
-    ``api_overhead_ms`` (their sum, what the simulator charges every request)."""
+    ``admission_ms`` (a request's first step beyond a step of its tokens, engine time) and
+    ``api_overhead_ms`` (what the simulator charges every request before its engine)."""
     try:
         measured = entry["provenance"]["measured"]
         out = {k: float(measured[k]["value"]) for k in ("api_cost_ms", "admission_ms")}
@@ -211,7 +211,8 @@ def probe_costs(entry: dict) -> dict[str, float]:
 def predicted_ttft_ms(hw, prompt: int, cached: int, before_ms: float) -> float:
     """TTFT the simulator's engine gives one request alone on ``hw``: ``before_ms`` (the
     API server's cost before the engine sees it) plus the prefill of its uncached
-    tokens in chunks of ``max_num_batched_tokens``, one step each, through the cost model."""
+    tokens in chunks of ``max_num_batched_tokens``, one step each (the first admits it),
+    through the cost model."""
     from kvroute.costmodel import StepTimeModel
     from kvroute.probefit import Observation, predict
 

@@ -465,6 +465,10 @@ async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, p
     connector = aiohttp.TCPConnector(limit=0)
     n = len(urls)
     cpus = list(cpus) if len(cpus) == n else [()] * n
+
+    def off(i: int):  # this process pinned off worker i's core while it is probed: to the next worker's
+        return pinned_process(list(cpus[(i + 1) % n]) if n > 1 else [])
+
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
             probers = [WorkerProber(http, name, u, model, plan, max_num_seqs, nonce, progress, session)
@@ -473,12 +477,12 @@ async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, p
                 await p.start()
             for i in range(plan.warmup_repetitions):
                 for j, p in enumerate(probers):
-                    with pinned_process(list(cpus[(j + 1) % n]) if n > 1 else []):
+                    with off(j):
                         await p.warm_repetition(i)
             for rep in range(plan.repetitions):
                 turn = session * plan.repetitions + rep  # rotated across sessions too
                 for i in [(turn + j) % n for j in range(n)]:
-                    with pinned_process(list(cpus[(i + 1) % n]) if n > 1 else []):
+                    with off(i):
                         await probers[i].repetition(rep)
     except aiohttp.ClientError as exc:
         raise EngineError(f"probe: an engine could not be reached: {exc}") from exc

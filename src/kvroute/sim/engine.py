@@ -166,6 +166,7 @@ class Engine:
         self._n_dec = 0
         self._dec_ctx = 0
         self._prefills: list[tuple[int, int]] = []
+        self._admissions = 0  # requests the step being planned admits (each costs admission_s)
         self._chunks: list[tuple[EngineRequest, int]] = []
         # counters, as vLLM's /metrics exposes them
         self.prefix_queries = 0
@@ -237,7 +238,7 @@ class Engine:
             k = self._steps_with_blocks(reqs, self._min_left(n))  # blocks are taken in commit, for steps run
             ends = self.model.decode_steps(n, self._dec_ctx, k, self.share)
             return Plan(reqs, ends, True, [])
-        t = self.model.step_time(self._n_dec, self._dec_ctx, self._prefills, self.share)
+        t = self.model.step_time(self._n_dec, self._dec_ctx, self._prefills, self.share, self._admissions)
         return Plan(reqs, [t], False, self._chunks)
 
     def commit(self, plan: Plan, steps: int, start_s: float) -> tuple[list[EngineRequest], list[EngineRequest]]:
@@ -526,6 +527,7 @@ class Engine:
         self._n_dec = n_dec
         self._dec_ctx = dec_ctx
         self._has_prefill = bool(prefills)
+        self._admissions = 0
         if preempted or cut < len(running):
             return cut
         budget = self.budget - used  # every running request is scheduled
@@ -533,6 +535,7 @@ class Engine:
         waiting = self.waiting
         while waiting and budget > 0 and len(running) < self.max_seqs:
             r = waiting[0]
+            first = r.cached_tokens < 0  # a preempted request's re-admission is not a new one
             if r._computed == 0:
                 hit_blocks = pool.match(r.hashes, (r.prompt_tokens - 1) // bs)
                 hit = len(hit_blocks)
@@ -560,6 +563,8 @@ class Engine:
             chunks.append((r, n))
             prefills.append((n, c))
             self._has_prefill = True
+            if first:
+                self._admissions += 1
             budget -= n
         return len(running)
 
