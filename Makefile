@@ -121,6 +121,7 @@ bench: $(STAMP) routers engine-cpu
 	$(BIN)/python benchmarks/engine_interference.py || status=1; \
 	$(BIN)/python benchmarks/logprobs_cost.py || status=1; \
 	$(BIN)/python benchmarks/engine_restarts.py || status=1; \
+	$(BIN)/python benchmarks/decode_locality.py || status=1; \
 	exit $$status
 
 # Re-pin every dependency from pyproject.toml into the locks (run after changing dependencies):

@@ -38,7 +38,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_interference import model_missing  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -49,8 +50,7 @@ def main(argv: list[str]) -> int:
 
     reps = int(argv[0]) if argv else 3
     hw = load_hardware("cpu")
-    if not (ROOT / "results/models/tiny-qwen2/config.json").is_file():
-        print("the cpu profile's model is missing: kvroute model tiny results/models/tiny-qwen2", file=sys.stderr)
+    if model_missing():
         return 2
     plan = ProbePlan(interference_repetitions=reps)
     with tempfile.TemporaryDirectory(prefix="kvroute-interference-") as tmp, \

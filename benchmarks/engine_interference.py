@@ -58,6 +58,14 @@ async def stream(session, url: str, model: str, key: str, logprobs: bool = False
     return chunks
 
 
+def model_missing() -> bool:
+    """True, and says what builds it, where the cpu profile's model is not there."""
+    if (ROOT / "results/models/tiny-qwen2/config.json").is_file():
+        return False
+    print("the cpu profile's model is missing: kvroute model tiny results/models/tiny-qwen2", file=sys.stderr)
+    return True
+
+
 async def batch(session, url: str, model: str, tag: str, size: int) -> None:
     await asyncio.gather(*(stream(session, url, model, f"{tag}:{i}") for i in range(size)))
 
@@ -70,8 +78,7 @@ def main(argv: list[str]) -> int:
 
     reps = int(argv[0]) if argv else 4
     hw = load_hardware("cpu")
-    if not (ROOT / "results/models/tiny-qwen2/config.json").is_file():
-        print("the cpu profile's model is missing: kvroute model tiny results/models/tiny-qwen2", file=sys.stderr)
+    if model_missing():
         return 2
     plan = ProbePlan(neighbour_repetitions=reps, neighbour_kind=(WORDS, TOKENS))
     with tempfile.TemporaryDirectory(prefix="kvroute-engines-") as tmp, \

@@ -34,7 +34,7 @@ from pathlib import Path
 from kvroute.live.probe import engine_itl, itl_between
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_interference import ROOT, batch  # noqa: E402
+from engine_interference import batch, model_missing  # noqa: E402
 
 
 async def alone(url: str, model: str, size: int, tag: str) -> float:
@@ -67,8 +67,7 @@ def main(argv: list[str]) -> int:
     starts = int(argv[0]) if argv else 4
     reps = int(argv[1]) if len(argv) > 1 else 4
     hw = load_hardware("cpu")
-    if not (ROOT / "results/models/tiny-qwen2/config.json").is_file():
-        print("the cpu profile's model is missing: kvroute model tiny results/models/tiny-qwen2", file=sys.stderr)
+    if model_missing():
         return 2
     model, size = served_model_name(hw), hw.engine.max_num_seqs
     rows = []

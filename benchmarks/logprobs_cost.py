@@ -26,7 +26,7 @@ from pathlib import Path
 from kvroute.live.probe import engine_itl, itl_between
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_interference import ROOT, stream  # noqa: E402
+from engine_interference import model_missing, stream  # noqa: E402
 
 
 async def w0_itl(url: str, model: str, size: int, logprobs: bool) -> float:
@@ -47,8 +47,7 @@ def main(argv: list[str]) -> int:
 
     reps = int(argv[0]) if argv else 6
     hw = load_hardware("cpu")
-    if not (ROOT / "results/models/tiny-qwen2/config.json").is_file():
-        print("the cpu profile's model is missing: kvroute model tiny results/models/tiny-qwen2", file=sys.stderr)
+    if model_missing():
         return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvroute-logprobs-") as tmp, \

@@ -56,6 +56,13 @@ def test_every_probe_ran_as_planned(probed):
     # the repeat of a prompt reads every full block of it from the prefix cache; the first reads none
     assert warm and all(r.cached_tokens == (r.prompt_tokens - 1) // block * block for r in warm)
     assert all(r.cached_tokens == 0 for r in requests if r.phase == "prefill" and not r.warm and not r.error)
+    # a decode batch's streams attend to prefixes of their own, each found cached (its full blocks)
+    batches: dict[tuple, list] = {}
+    for r in requests:
+        if r.phase == "decode" and not r.error:
+            batches.setdefault((r.session, r.worker, r.group), []).append(r)
+    assert batches and all(len({r.prefix for r in b}) == len(b) == b[0].batch for b in batches.values())
+    assert all(r.cached_tokens >= r.words // block * block - block for b in batches.values() for r in b)
     # the engines' own histograms counted every sequential probe's prefill
     assert all(r.engine["prefill_s"] > 0 for r in requests if r.phase in ("api", "prefill") and not r.error)
     assert len(facts["probe_s"]) == PLAN.sessions and min(facts["probe_s"]) > 0

@@ -155,6 +155,9 @@ def per_worker_load(result: LoadResult, names: list[str], urls: list[str]) -> di
             "metrics_engine_ttft_s": d.get("engine_ttft_s", math.nan),
             "metrics_engine_queue_s": d.get("engine_queue_s", math.nan),
             "metrics_engine_prefill_s": d.get("engine_prefill_s", math.nan),
+            "metrics_engine_decode_s": d.get("engine_decode_s", math.nan),
+            "metrics_engine_itl_s": d.get("engine_itl_s", math.nan),
+            "metrics_engine_itl_tokens": d.get("engine_itl_count", math.nan),
             "records_requests": float(sum(1 for r in result.rows if r["worker"] == name)),
         }
     return out

@@ -34,6 +34,11 @@ SAMPLES: dict[str, str] = {
     "vllm:time_to_first_token_seconds_count": "engine_ttft_count",
     "vllm:request_queue_time_seconds_sum": "engine_queue_s",
     "vllm:request_prefill_time_seconds_sum": "engine_prefill_s",
+    # the engine core's gaps between a stream's tokens (engine-core timestamps): with the
+    # client's gaps they say whether a slow decode is the engine's steps or their delivery
+    "vllm:request_decode_time_seconds_sum": "engine_decode_s",
+    "vllm:inter_token_latency_seconds_sum": "engine_itl_s",
+    "vllm:inter_token_latency_seconds_count": "engine_itl_count",
 }
 #: the load gauges a scraping router reads (``load_signal`` scraped), under vLLM's names;
 #: vLLM's V0 engine called the KV usage ``gpu_cache_usage_perc`` (V1, 0.32 here: ``kv_cache_usage_perc``)
@@ -45,7 +50,8 @@ LOAD_SAMPLES: dict[str, str] = {
 }
 #: monotonic counters (their deltas mean something)
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success",
-            "engine_ttft_s", "engine_ttft_count", "engine_queue_s", "engine_prefill_s")
+            "engine_ttft_s", "engine_ttft_count", "engine_queue_s", "engine_prefill_s", "engine_decode_s",
+            "engine_itl_s", "engine_itl_count")
 
 
 def parse_metrics(text: str, names: Mapping[str, str] = SAMPLES) -> dict[str, float]:
