@@ -663,7 +663,8 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
         "experiments_read": "none: no experiment, trace or measured record is an input of this fit",
         "engines": (f"{hw.name}: {hw.workers} x {e.kind} {e.version}, {hw.model.name}, block {e.block_size}, "
                     f"max_num_seqs {e.max_num_seqs}, max_num_batched_tokens {e.max_num_batched_tokens}, "
-                    f"dtype {e.dtype}; workers probed one at a time, the others idle"),
+                    f"dtype {e.dtype}; workers probed one at a time, the others idle; each stream of a decode "
+                    "batch on a cached prefix of its own"),
         "probed": fit.probed,
         "fitted": {k: _stated(c[k], fit.errors[k], fit.dof.get(k, math.nan)) for k in FITTED},
         "measured": {k: _stated(v["value"], v["se"], v.get("dof", math.nan)) for k, v in fit.measured.items()},
@@ -684,8 +685,8 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "api_cost_ms is the minimal probes' median less the slope's share",
             "api_busy_factor is the median, over API probes sent while max_num_seqs - 1 other streams decoded on "
             "the same engine, of their delay over the idle one at their length, each less half a decode step "
-            "of the streams beside it (the wait for the "
-            "step in progress, which the simulator's engine charges itself; bootstrap se; 1 without such "
+            "of the streams beside it (the wait for the step in progress, which the simulator's engine "
+            "charges itself; bootstrap se; 1 without such "
             "probes): on the CPU build the API server shares its core with the engine core; the simulator runs "
             "a request's API work at 1/f of its speed while its engine runs, and the engine's steps f/(f-c) "
             "times as long while API work is in progress, c = min(1, f - 1) being the part of the API delay "
