@@ -108,11 +108,12 @@ def test_the_fit_is_sane(probed, tmp_path):
 
 
 def test_the_client_phase_measures_the_gateway_and_load_generators_cpu(probed):
-    """The last session ends with batches through a kvroute gateway in this process, pinned to
+    """The bracket's first session ends with batches through a kvroute gateway in this process, pinned to
     engine.client_worker's core as kvroute measure pins it; the fit gives the client's costs."""
     hw, requests, facts = probed
     batches = facts["client"]
     assert len(batches) == PLAN.client_repetitions * len(PLAN.client_kinds)
+    assert {b["session"] for b in batches} == {0}  # BracketProbe.BEFORE
     assert all(b["errors"] == 0 and b["requests"] == PLAN.client_requests and b["cpu_ms"] > 0 for b in batches)
     for b in batches:  # every chat streamed all its tokens back through the gateway
         assert b["output_tokens"] == PLAN.client_requests * b["max_tokens"]
@@ -129,7 +130,7 @@ def test_the_client_phase_measures_the_gateway_and_load_generators_cpu(probed):
 
 
 def test_the_refused_phase_measures_what_a_refusal_costs_a_worker(probed):
-    """The last session asks every idle worker to render requests, as vllm-router's
+    """The bracket's first session asks every idle worker to render requests, as vllm-router's
     cache_aware does before routing; vLLM refuses (403), and each refusal costs that
     worker's process tree CPU time, which the fit states with an error."""
     hw, requests, facts = probed
@@ -142,7 +143,7 @@ def test_the_refused_phase_measures_what_a_refusal_costs_a_worker(probed):
 
 
 def test_the_interference_phase_pins_the_client_beside_each_engine_in_turn(probed):
-    """The last session's interference batches: the client pinned to each worker's core in
+    """The bracket's second session's interference batches: the client pinned to each worker's core in
     turn, every engine's ITL read from its own histogram over each batch; the fit states
     what a second of the client's CPU costs the engine beside it, with an error."""
     hw, requests, facts = probed
@@ -162,11 +163,12 @@ def test_the_interference_phase_pins_the_client_beside_each_engine_in_turn(probe
 
 
 def test_the_neighbour_phase_times_each_engine_beside_idle_and_busy_neighbours(probed):
-    """The last session's neighbour batches: each worker, with the other idle and decoding,
+    """The bracket's second session's neighbour batches: each worker, with the other idle and decoding,
     in alternating order; the fit states the ratio with an error."""
     hw, requests, facts = probed
     rows = facts["neighbour"]
     assert len(rows) == PLAN.neighbour_repetitions * hw.workers * 2
+    assert {r["session"] for r in rows} == {1}  # BracketProbe.AFTER
     assert {(r["worker"], r["neighbour_busy"]) for r in rows} == {(w, b) for w in hw.worker_names for b in (False, True)}
     assert all(r["errors"] == 0 and r["itl_ms"] and r["itl_ms"] > 0 for r in rows), rows
     fit = fit_probes(requests, hw, plan_facts(PLAN, hw) | facts)

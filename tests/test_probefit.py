@@ -490,3 +490,32 @@ def test_the_neighbour_slowdown_is_each_workers_busy_over_idle_itl_and_reaches_t
     from kvroute.hardware import Coefficients, coefficient_values
 
     assert Coefficients(**coefficient_values(entry)).neighbour_slowdown == pytest.approx(1.08)
+
+
+def test_phase_rows_of_two_sessions_are_paired_within_their_session_and_their_shift_widens_the_error():
+    """kvroute calibrate --probe runs the phases in every session, so repetition numbers
+    repeat: a pair never spans two sessions, and a shift between sessions' engine processes,
+    invisible within one, shows in the stated error (the leave-one-process-out jackknife)."""
+    one = neighbour_batches(1.1, noise_ms=0.02)
+    two = [dict(r, session=0) for r in one] + [dict(r, session=1, itl_ms=r["itl_ms"] * (1.05 if r["neighbour_busy"] else 1.0))
+                                              for r in neighbour_batches(1.1, noise_ms=0.02, seed=6)]
+    within, across = neighbour_slowdown(one)[NEIGHBOUR], neighbour_slowdown(two)[NEIGHBOUR]
+    assert across["value"] == pytest.approx((1.1 + 1.1 * 1.05) / 2, rel=2e-3)  # 16 pairs, none mixed
+    assert across["se"] > 5 * within["se"] and across["dof"] == 3  # four engine processes
+    # the other phases keep their sessions apart the same way
+    refused = [dict(b, session=s, cpu_ms=b["cpu_ms"] * (1 + 0.2 * s)) for s in (0, 1) for b in refused_batches()]
+    assert refused_cost(refused)[REFUSED]["value"] == pytest.approx(0.66) and refused_cost(refused)[REFUSED]["se"] > 0
+    pairs = paired_interference([dict(r, session=s) for s in (0, 1) for r in interference_batches(k=1.6)])
+    assert len(pairs) == 2 * len(paired_interference(interference_batches(k=1.6)))
+    assert {p["session"] for p in pairs} == {0, 1}
+    batches = [dict(b, session=s) for s in (0, 1) for b in client_batches(noise_ms=1.0, reps=2)]
+    assert client_costs(batches)["client_cpu_per_token_ms"]["dof"] >= 1  # four stretches: the jackknife applies
+
+
+def test_merge_phases_appends_each_sessions_rows_after_the_earlier_ones():
+    from kvroute.live.probe import merge_phases
+
+    facts = merge_phases({"probe_s": [1.0]}, {"neighbour": [{"rep": 0, "session": 0}], "client_cpus": [1]})
+    facts = merge_phases(facts, {"neighbour": [{"rep": 0, "session": 1}], "client_cpus": [0]})
+    assert [r["session"] for r in facts["neighbour"]] == [0, 1]
+    assert facts["client_cpus"] == [0] and facts["probe_s"] == [1.0]

@@ -366,6 +366,12 @@ def _jackknife_spread(leave_one_out: Sequence[float]) -> float:
     return float(math.sqrt((n - 1) / n * np.sum((vals - vals.mean()) ** 2)))
 
 
+def _stretch(row: dict) -> tuple[int, int]:
+    """A phase row's stretch of time: its (session, repetition); rows written before the
+    phases ran in every session name no session, and were all the last one's."""
+    return row.get("session", 0), row["rep"]
+
+
 def _mean_with_errors(xs: np.ndarray, blocks: list[tuple[int, str, int]]) -> dict[str, float]:
     """The mean of ``xs`` (one per probe of ``blocks``: (session, worker, repetition)) with the
     largest of its within-run standard error, a delete-one-block jackknife and a
@@ -395,14 +401,14 @@ REFUSED = "api_refused_request_ms"
 def refused_cost(batches: Sequence[dict]) -> dict[str, dict[str, float]]:
     """A worker's CPU per request it answers without serving it (vllm-router's render call,
     refused), from the probe's refused batches (:func:`kvroute.live.probe.refused_probe`):
-    the mean over batches of CPU per request, with the larger of its standard error and a
-    leave-one-worker-out jackknife (:func:`_mean_with_errors`). Empty with fewer than three
-    error-free batches."""
+    the mean over batches of CPU per request, with the larger of its standard error and the
+    jackknives over repetitions and engine processes (:func:`_mean_with_errors`). Empty with
+    fewer than three error-free batches."""
     ok = [b for b in batches if b.get("calls") and not b.get("errors")]
     if len(ok) < 3:
         return {}
     xs = np.array([b["cpu_ms"] / b["calls"] for b in ok], float)
-    return {REFUSED: _mean_with_errors(xs, [(0, b["worker"], b["rep"]) for b in ok])}
+    return {REFUSED: _mean_with_errors(xs, [(b.get("session", 0), b["worker"], b["rep"]) for b in ok])}
 
 
 #: the engine time a second of the client's CPU beside it costs (:func:`client_interference`)
@@ -428,8 +434,8 @@ def paired_interference(rows: Sequence[dict]) -> list[dict]:
     itself, not with the other engine, keeps a difference between the cores (another
     tenant's load, interrupts) from reading as the client's cost. Batches with errors are left out."""
     out = []
-    for rep in sorted({r["rep"] for r in rows}):
-        by = {r["client"]: r for r in rows if r["rep"] == rep and not r.get("errors")}
+    for session, rep in sorted({_stretch(r) for r in rows}):
+        by = {r["client"]: r for r in rows if _stretch(r) == (session, rep) and not r.get("errors")}
         names = [f"w{i}" for i in range(max((len(r["itl_ms"]) for r in by.values()), default=0))]
         for e, name in enumerate(names):
             others = [o for o in names if o != name and o in by]
@@ -440,7 +446,8 @@ def paired_interference(rows: Sequence[dict]) -> list[dict]:
             if not beside or not alone:
                 continue
             f = interference(beside, float(np.mean(alone)), by[name]["cpu_s"], by[name]["wall_s"])
-            out.append({"rep": rep, "engine": name, "alone": float(np.mean(alone)), "beside": beside} | f)
+            out.append({"session": session, "rep": rep, "engine": name, "alone": float(np.mean(alone)),
+                        "beside": beside} | f)
     return out
 
 
@@ -452,7 +459,7 @@ def client_interference(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
     if len(pairs) < 3:
         return {}
     xs = np.array([p["k"] for p in pairs], float)
-    return {INTERFERENCE: _mean_with_errors(xs, [(0, p["engine"], p["rep"]) for p in pairs])}
+    return {INTERFERENCE: _mean_with_errors(xs, [(p["session"], p["engine"], p["rep"]) for p in pairs])}
 
 
 #: how much slower an engine runs while another engine of the host runs (:func:`neighbour_slowdown`)
@@ -460,21 +467,22 @@ NEIGHBOUR = "neighbour_slowdown"
 
 
 def neighbour_slowdown(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
-    """``neighbour_slowdown``: per repetition and worker of the probe's neighbour batches
+    """``neighbour_slowdown``: per session, repetition and worker of the probe's neighbour batches
     (:func:`kvroute.live.probe.neighbour_probe`), its ITL with its neighbour decoding over
     its ITL with the neighbour idle; the mean with the larger of its standard error and the
     jackknives over repetitions and workers (:func:`_mean_with_errors`). Batches with errors
     are left out with their pair. Empty with fewer than three pairs."""
     pairs = []
-    for rep in sorted({r["rep"] for r in rows}):
-        for w in sorted({r["worker"] for r in rows if r["rep"] == rep}):
-            by = {r["neighbour_busy"]: r for r in rows if r["rep"] == rep and r["worker"] == w and not r.get("errors")}
+    for stretch in sorted({_stretch(r) for r in rows}):
+        for w in sorted({r["worker"] for r in rows if _stretch(r) == stretch}):
+            by = {r["neighbour_busy"]: r for r in rows
+                  if _stretch(r) == stretch and r["worker"] == w and not r.get("errors")}
             if by.get(True, {}).get("itl_ms") and by.get(False, {}).get("itl_ms"):
-                pairs.append((w, rep, by[True]["itl_ms"] / by[False]["itl_ms"]))
+                pairs.append(((stretch[0], w, stretch[1]), by[True]["itl_ms"] / by[False]["itl_ms"]))
     if len(pairs) < 3:
         return {}
-    xs = np.array([x for _, _, x in pairs], float)
-    return {NEIGHBOUR: _mean_with_errors(xs, [(0, w, rep) for w, rep, _ in pairs])}
+    xs = np.array([x for _, x in pairs], float)
+    return {NEIGHBOUR: _mean_with_errors(xs, [block for block, _ in pairs])}
 
 
 def client_costs(batches: Sequence[dict]) -> dict[str, dict[str, float]]:
@@ -482,8 +490,8 @@ def client_costs(batches: Sequence[dict]) -> dict[str, dict[str, float]]:
     probe's client batches (:func:`kvroute.live.probe.client_probe`): least squares of each
     error-free batch's ``cpu_ms`` on its requests, prompt tokens and output tokens, no
     intercept, each cost at least 0. Standard error: the larger of the fit's own (residual
-    variance over the design) and a leave-one-repetition-out jackknife (what changes between
-    stretches of time), with that error's degrees of freedom. Empty without enough batches
+    variance over the design) and a leave-one-repetition-out jackknife (a repetition of a
+    session: what changes between stretches of time), with that error's degrees of freedom. Empty without enough batches
     of at least three kinds."""
     from scipy.optimize import lsq_linear
 
@@ -503,10 +511,10 @@ def client_costs(batches: Sequence[dict]) -> dict[str, dict[str, float]]:
     resid = y - X @ beta
     cov = (resid @ resid / dof) * np.linalg.inv(X.T @ X)
     se_fit = np.sqrt(np.clip(np.diag(cov), 0.0, None))
-    reps = sorted({b["rep"] for b in ok})
+    reps = sorted({_stretch(b) for b in ok})
     loo = []
     for rep in reps if len(reps) >= 3 else ():
-        keep = np.array([b["rep"] != rep for b in ok])
+        keep = np.array([_stretch(b) != rep for b in ok])
         if np.linalg.matrix_rank(X[keep]) == len(CLIENT):
             loo.append(solve(X[keep], y[keep]))
     out = {}
@@ -592,7 +600,7 @@ def fit_probes(requests: Sequence[ProbeRequest], hw: Hardware, probed: dict | No
         pt = np.asarray(s.per_token)
         measured["api_per_token_ms"] = {"value": float(np.median(pt)), "se": bootstrap_se(pt, np.median),
                                         "dof": pt.size - 1.0}
-    # what the client and the refused requests cost (phases of the probe's last session)
+    # what the client and the refused requests cost (the phases that follow the worker probes)
     facts = probed or {}
     cpu_costs = (client_costs(facts.get("client") or []) | client_interference(facts.get("interference") or [])
                  | neighbour_slowdown(facts.get("neighbour") or []) | refused_cost(facts.get("refused") or []))
@@ -700,24 +708,24 @@ def coefficient_entry(fit: ProbeFit, hw: Hardware, date: dt.date | None = None) 
             "the simulator charges that work to the core of engine.client_worker, where kvroute measure pins "
             "the process",
             "client_interference is the engine time a second of that CPU costs the engine beside it: per "
-            "repetition and engine of the interference batches (probed.interference: full batches of 64-token "
+            "session, repetition and engine of the interference batches (probed.interference: full batches of 64-token "
             "chats with the process pinned beside each worker in turn), k = (1 - ITL alone / ITL beside) / "
             "(client CPU / wall), its ITL with the client beside it against its own with the client on the other "
             "core (engine-core timestamps); the mean over those pairs (se: the larger of theirs and the "
-            "jackknives over repetitions and engines); 1 would be exactly the client's CPU time; the simulator "
+            "jackknives over repetitions and engine processes); 1 would be exactly the client's CPU time; the simulator "
             "multiplies the client's charge by it",
             "neighbour_slowdown is how much slower an engine runs while another engine of the host runs: per "
-            "repetition and worker of the neighbour batches (probed.neighbour: a full batch straight to the worker "
+            "session, repetition and worker of the neighbour batches (probed.neighbour: a full batch straight to the worker "
             "with every other worker idle and with them decoding full batches, alternating, this process pinned "
             "to another worker's core), its ITL beside busy neighbours over its ITL beside idle ones; the mean "
-            "over those pairs (se: the larger of theirs and the jackknives over repetitions and workers). Every "
+            "over those pairs (se: the larger of theirs and the jackknives over repetitions and engine processes). Every "
             "other probe was timed beside idle neighbours (the workers are probed one at a time, this process "
             "pinned to another worker's core), so the simulator runs a worker's steps that many times as long "
             "while any other worker of the host is busy",
             "api_refused_request_ms is the CPU time of a worker's process tree per request it answers "
             "without serving it (POST /v1/chat/completions/render, which vllm-router's cache_aware sends every "
             "worker before routing a request and plain vLLM refuses), over batches sent to the idle workers "
-            "(probed.refused; se: the larger of the batches' and a leave-one-worker-out jackknife); the "
+            "(probed.refused; se: the larger of the batches' and the jackknives over repetitions and engine processes); the "
             "simulator charges it to every worker's core for each request a policy that asks them routes",
             "attn_cached_efficiency and attn_chunk_efficiency are attention's effective rates as fractions of "
             "the nominal peak, fitted with the step coefficients: its query x key pairs against KV already in "

@@ -33,26 +33,30 @@ API probes spread over the repetitions), so that a repetition is one stretch of 
   measured as an ``api`` probe's; the engine must count only the probe over its window (no
   background stream ends in it), else the probe is kept as an error row.
 
-* ``client`` (the last session only, :func:`client_probe`): batches of single-turn chats
+The phases below follow a session's worker probes: every session's in ``kvroute calibrate
+--probe`` (:func:`run_probe`; each row names its session, so their errors span engine
+processes as the fitted terms' do), the split of :class:`BracketProbe` around a measurement.
+
+* ``client`` (:func:`client_probe`): batches of single-turn chats
   of a few sizes routed through a kvroute gateway in this process, as ``kvroute measure``
   routes, with the process pinned as it pins it (``engine.client_worker``): the CPU time
   this process spends per request, per prompt token and per streamed token. On the CPU
   build that work runs on a worker's core, beside its engine.
 
-* ``interference`` (the last session only, :func:`interference_probe`): full batches of
+* ``interference`` (:func:`interference_probe`): full batches of
   64-token chats through the same gateway with this process pinned to each worker's core in
   turn: each engine's inter-token latency with the client beside it and with the client on
   the other core, which says how much engine time a second of the client's CPU costs (more
   than the second itself where wake-ups and a shared cache cost the engine too).
 
-* ``neighbour`` (the last session only, :func:`neighbour_probe`): a full batch on each
+* ``neighbour`` (:func:`neighbour_probe`): a full batch on each
   worker in turn, with the other worker idle and with it decoding batches of its own (this
   process pinned to the other worker's core): how much slower an engine runs while its
   neighbour on the same host runs. Every timed probe above ran beside idle neighbours (the
   workers are probed one at a time), so the simulator slows a worker by that much while
   another worker is busy.
 
-* ``refused`` (the last session only, :func:`refused_probe`): requests each idle worker
+* ``refused`` (:func:`refused_probe`): requests each idle worker
   answers without serving them, as vllm-router's cache_aware asks every worker to render
   each request before routing it (vLLM refuses); the CPU of the worker's process tree per
   such request, work that lands on the engine's core.
@@ -124,20 +128,20 @@ class ProbePlan:
     busy_probes: int = 8  # API probes sent while the engine decodes (per session; spread over repetitions)
     busy_words: tuple[int, ...] = (4, 1152)  # their lengths, in turn
     busy_tokens: int = 96  # tokens of each background stream: enough to outlast the probe
-    # the client phase (last session only): batches of single-turn chats through a kvroute gateway
+    # the client phase (after a session's worker probes): batches of single-turn chats through a kvroute gateway
     client_repetitions: int = 3  # times every kind of batch is sent (0: no client phase)
     client_requests: int = 16  # chats per batch
     client_concurrency: int | None = None  # chats in flight (default: every worker's max_num_seqs, a full batch)
     client_kinds: tuple[tuple[int, int], ...] = ((4, 2), (4, 64), (1000, 2))  # (words, tokens out) per batch kind
-    # the interference phase (last session only): full batches of (words, tokens) chats with the
+    # the interference phase (after a session's worker probes): full batches of (words, tokens) chats with the
     # client pinned beside each worker in turn (interference_probe)
     interference_repetitions: int = 4  # batches per placement (0: no interference phase)
     interference_kind: tuple[int, int] = (4, 64)
-    # the neighbour phase (last session only): a full batch of (words, tokens) chats on each
+    # the neighbour phase (after a session's worker probes): a full batch of (words, tokens) chats on each
     # worker with its neighbour idle and busy, in alternating order (neighbour_probe)
     neighbour_repetitions: int = 4  # pairs of batches per worker (0: no neighbour phase)
     neighbour_kind: tuple[int, int] = (128, 64)
-    # the refused phase (last session only): requests each worker's API server answers without
+    # the refused phase (after a session's worker probes): requests each worker's API server answers without
     # serving them, as vllm-router's cache_aware sends every worker before routing (refused_probe)
     refused_repetitions: int = 4  # batches per worker (0: no refused phase)
     refused_requests: int = 200  # requests per batch (the process CPU clock ticks every 10 ms)
@@ -726,13 +730,14 @@ def refused_probe(engines, model: str, plan: ProbePlan, words: int = 150) -> lis
     return rows
 
 
-#: the phases of a probe's last session, in the order they run (:func:`probe_phases`)
+#: the phases that follow a probe session's worker probes, in the order they run (:func:`probe_phases`)
 PHASES = ("refused", "client", "interference", "neighbour")
 
 
-def probe_phases(eng, hw, plan: ProbePlan, phases: Sequence[str] = PHASES) -> dict:
+def probe_phases(eng, hw, plan: ProbePlan, phases: Sequence[str] = PHASES, session: int = 0) -> dict:
     """Run ``phases`` of ``plan`` (those of :data:`PHASES` it asks for and ``hw`` allows) on the
-    running engines ``eng``; their rows, keyed by phase (``client_cpus`` too, with ``client``)."""
+    running engines ``eng``; their rows, keyed by phase and each marked with ``session``
+    (``client_cpus`` too, with ``client``)."""
     from kvroute.live.engines import served_model_name
 
     unknown = sorted(set(phases) - set(PHASES))
@@ -757,6 +762,17 @@ def probe_phases(eng, hw, plan: ProbePlan, phases: Sequence[str] = PHASES) -> di
             eng.reset_prefix_cache()
             facts["neighbour"] = neighbour_probe(eng, hw, plan)
     eng.reset_prefix_cache()
+    for phase in PHASES:
+        for row in facts.get(phase, ()):
+            row["session"] = session
+    return facts
+
+
+def merge_phases(facts: dict, phases: dict) -> dict:
+    """``facts`` with one session's :func:`probe_phases` added: a phase's rows after the
+    earlier sessions' (each row names its session), anything else replaced."""
+    for k, v in phases.items():
+        facts[k] = [*facts.get(k, ()), *v] if k in PHASES else v
     return facts
 
 
@@ -767,7 +783,7 @@ def probe_session(eng, hw, plan: ProbePlan, session: int, phases: Sequence[str] 
 
     requests = asyncio.run(probe_workers(eng.names, eng.urls, served_model_name(hw), plan, hw.engine.max_num_seqs,
                                          session=session, cpus=[s.cpus for s in eng.specs]))
-    return requests, probe_phases(eng, hw, plan, phases)
+    return requests, probe_phases(eng, hw, plan, phases, session)
 
 
 def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = None,
@@ -775,7 +791,8 @@ def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = 
     """Start ``hw``'s engines (only ours, on 127.0.0.1), probe them with ``plan``, stop them;
     ``plan.sessions`` times, each in a folder of ``run_dir``, so that every worker is several
     engine processes (what differs between processes differs between calibrations too).
-    The last session ends with every phase (:data:`PHASES`).
+    Every session ends with every phase (:data:`PHASES`), so that the phases' coefficients,
+    like the fitted ones, state errors over engine processes, not one session's alone.
 
     Returns every probe request and the facts of the run (start-up and probe seconds per
     session, the machine's load average before and after: the cores may be shared).
@@ -796,9 +813,9 @@ def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = 
         with running_engines(hw, run_dir=Path(run_dir) / f"session{session}", kind=kind, host="127.0.0.1",
                              model_dir=model_dir, python=python) as eng:
             t1 = time.monotonic()
-            rows, phases = probe_session(eng, hw, plan, session, PHASES if session == plan.sessions - 1 else ())
+            rows, phases = probe_session(eng, hw, plan, session, PHASES)
             requests += rows
-            facts |= phases
+            merge_phases(facts, phases)
             t2 = time.monotonic()
         facts["startup_s"].append(round(t1 - t0, 1))
         facts["probe_s"].append(round(t2 - t1, 1))
@@ -833,7 +850,7 @@ class BracketProbe:
         t0 = time.monotonic()
         rows, facts = probe_session(eng, self.hw, self.plan, session, phases)
         self.requests += rows
-        self.facts |= facts
+        merge_phases(self.facts, facts)
         self.facts["probe_s"].append(round(time.monotonic() - t0, 1))
 
     def before(self, eng) -> None:
