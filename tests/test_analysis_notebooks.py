@@ -103,7 +103,7 @@ OUTPUTS = {
     "note2": [*[f"figures/note2/{f}.{e}" for f in ("table2", "hit_by_turn", "claims", "large_goodput", "validation")
                 for e in ("pdf", "png")],
               *[f"tables/note2/{t}.tex" for t in ("table1", "table2", "least_loaded", "claims", "table3", "stated",
-                                                  "large", "cpu", "validation", "validation_cpu")],
+                                                  "large", "cpu", "validation", "validation_cpu", "sensitivity")],
               "numbers/note2.tex"],
     "tn4": [*[f"figures/tn4/{f}.{e}" for f in ("closed_vs_sim", "per_turn", "note2_shape") for e in ("pdf", "png")],
             "tables/tn4/sweep.tex", "numbers/tn4.tex"],
@@ -158,6 +158,12 @@ def sample_results(tmp_path_factory) -> Path:
     run_sweep(root / "sim" / "tn4-arithmetic", workers=(2, 4), system_words=(0, 600),
               workload={"chats": 8, "turns": 4})
     _validate(root)
+    # rule sensitivity: what each GPU coefficient is worth to the single-GPU predictions
+    from kvroute.analysis.sensitivity import write as write_sensitivity
+    from kvroute.experiment import load_experiment
+
+    write_sensitivity(load_experiment(cfg / "note2-a100.yaml"), root / "validation" / "sensitivity-note2-a100.csv",
+                      rounds=1)
     return root
 
 

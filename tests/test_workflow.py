@@ -151,6 +151,9 @@ def expected_fresh_jobs(repo: Path) -> Counter:
         operating_point=sum(1 for e in exps if e.operating_point is not None),
         # the gateway's added latency, when an analysis reads it (note 2)
         gateway_latency=int(any("results/gateway/latency.csv" in a.get("inputs", []) for a in cfg["analyses"])),
+        # what each GPU coefficient is worth to the single-GPU predictions, when an analysis reads it (note 2)
+        sensitivity=int(any("results/validation/sensitivity-note2-a100.csv" in a.get("inputs", [])
+                            for a in cfg["analyses"])),
     )
     for a in cfg["analyses"]:
         jobs[f"analyse_{a['notebook']}"] = 1

@@ -186,6 +186,24 @@ def operating_point(experiment: Path, out: Path, coefficients: Path | None) -> N
 
 
 @main.command()
+@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="CSV file to write.")
+@click.option("--rounds", type=click.IntRange(min=1), help="Number of rounds (default: the experiment's).")
+def sensitivity(experiment: Path, out: Path, rounds: int | None) -> None:
+    """What each GPU coefficient is worth to EXPERIMENT's predictions: one input at a time set
+    to the A6000's value or to none, on the same draws (a diagnostic of a miss, never a fit)."""
+    from kvroute.analysis.sensitivity import write
+
+    try:
+        df = write(load_experiment(experiment), out, rounds)
+    except (ExperimentError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    ttc = df[df["metric"] == "time_to_complete_s"]
+    click.echo(ttc[["hardware", "policy", "swap", "filed", "value", "change"]].to_string(
+        index=False, float_format=lambda v: f"{v:.3f}"))
+
+
+@main.command()
 @click.argument("dataset", type=click.Choice(["mooncake"]))
 @click.option("--name", required=True, help="Which trace of the dataset (mooncake: conversation, synthetic).")
 @click.option("--dest", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder to put the verified file in.")

@@ -27,3 +27,23 @@ rule validate:
         "../../envs/analysis.yaml"
     shell:
         "kvroute validate {params.sims} {params.measured} {params.probes} --reported {params.reported:q} --out {params.out:q} > {log:q} 2>&1"
+
+
+# What each GPU coefficient is worth to note 2's single-GPU predictions (`kvroute
+# sensitivity`): one input at a time set to the A6000's value or to none, on the same
+# draws. A diagnostic of Table 3's miss for the note to report, never a fit.
+rule sensitivity:
+    input:
+        experiment=experiment_file("note2-a100"),
+        hardware=sorted(glob.glob("hardware/*.yaml")),
+        code=SIM_SOURCES + _sources("src/kvroute/analysis/sensitivity.py"),
+    output:
+        f"{RESULTS}/validation/sensitivity-note2-a100.csv",
+    log:
+        f"{RESULTS}/logs/sensitivity.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/sensitivity.tsv"
+    conda:
+        "../../envs/analysis.yaml"
+    shell:
+        "kvroute sensitivity {input.experiment:q} --out {output:q} > {log:q} 2>&1"

@@ -40,7 +40,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from kvroute.experiment import Experiment, Run, format_load
-from kvroute.hardware import hardware_dir, load_hardware, with_coefficients
+from kvroute.hardware import Hardware, hardware_dir, load_hardware, with_coefficients
 from kvroute.policies import make_policy
 from kvroute.records import REQUEST_COLUMNS, requests_table, summarize, write_atomic, write_csv, write_requests
 from kvroute.sim.cluster import SimCluster
@@ -117,13 +117,15 @@ def coefficients_info(hardware: set[str], coefficients: Path | None) -> dict:
     return out
 
 
-def simulate_run(exp: Experiment, run: Run, trace: Trace, coefficients: Path | None = None) -> tuple[list[dict], dict]:
+def simulate_run(exp: Experiment, run: Run, trace: Trace, coefficients: Path | None = None,
+                 hw: Hardware | None = None) -> tuple[list[dict], dict]:
     """Simulate one run; returns its record rows and run metadata.
 
     ``coefficients``: a file of coefficients entries (``kvroute calibrate --probe``'s
     output) whose entry for the run's hardware family replaces hardware/coefficients.yaml's.
+    ``hw``: the run's profile itself, as given (kvroute.analysis.sensitivity's swaps).
     """
-    hw = run_hardware(run.hardware, coefficients)
+    hw = hw or run_hardware(run.hardware, coefficients)
     policy = make_policy(run.policy, policy_rng(exp, run))
     exact = policy.default_exact if exp.view == "auto" else exp.view == "exact"
     cluster = SimCluster(trace, hw, policy, common_rng(exp.seed, run.round), exact, exp.load_signal)
