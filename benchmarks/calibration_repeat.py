@@ -13,7 +13,7 @@ processes has 3, so its 2-se band would cover only 86%). The count within the pl
 band is printed beside it. Exits 1 when fewer than all but one agree.
 
 Usage:
-    python benchmarks/calibration_repeat.py              # run the probe twice (about 3 min; needs make engine-cpu)
+    python benchmarks/calibration_repeat.py              # run the probe twice (about 6.5 min; needs make engine-cpu)
     python benchmarks/calibration_repeat.py A.yaml B.yaml  # compare two earlier calibrations (results/calibration/probe/cpu.yaml)
 """
 
