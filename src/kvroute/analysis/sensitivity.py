@@ -79,9 +79,9 @@ def sensitivity(exp: Experiment, swaps: tuple[Swap, ...] = A100_SWAPS, rounds: i
     base = df[df["swap"] == "filed"].set_index(["hardware", "policy", "metric"])["value"]
     df["filed"] = [base[(h, p, m)] for h, p, m in zip(df["hardware"], df["policy"], df["metric"])]
     df["change"] = df["value"] / df["filed"] - 1.0
-    why = {s.name: s.why for s in swaps} | {"filed": "hardware/coefficients.yaml as filed"}
-    df["what"] = df["swap"].map(why)
-    return df[df["swap"] != "filed"].reset_index(drop=True)
+    df = df[df["swap"] != "filed"].reset_index(drop=True)
+    df["what"] = df["swap"].map({s.name: s.why for s in swaps})
+    return df
 
 
 def write(exp: Experiment, out: Path, rounds: int | None = None) -> pd.DataFrame:
