@@ -87,3 +87,50 @@ def test_measure_passes_the_load_signal_to_the_gateway(tmp_path):
     assert (measured.load_signal == "scraped:50ms").all() and (measured.status == "ok").all()
     simulate_experiment(load_experiment(p), tmp_path / "sim")
     assert set(pd.read_parquet(tmp_path / "sim/requests.parquet").load_signal) == {"scraped:50ms"}
+
+
+def test_measure_runs_several_experiments_on_one_engine_session(tmp_path, exp_file):
+    """Two experiments, one engine start-up: each gets its own records, summary and load.json
+    (naming the session it shared), the engines' logs stay in the first's folder, and each
+    experiment's records are its own."""
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({**EXP, "name": "mtest2", "seed": 5,
+                                     "runs": [{"hardware": "cpu", "policies": ["least_loaded"]}]}))
+    a, b = tmp_path / "a", tmp_path / "b"
+    res = CliRunner().invoke(main, ["measure", str(exp_file), str(other), "--hardware", "cpu", "--engine", "emulator",
+                                    "--out", str(a), "--out", str(b), "--rounds", "1"])
+    assert res.exit_code == 0, res.output
+    first, second = pd.read_parquet(a / "requests.parquet"), pd.read_parquet(b / "requests.parquet")
+    assert set(first.experiment) == {"mtest"} and set(first.policy) == {"round_robin", "sticky"}
+    assert set(second.experiment) == {"mtest2"} and set(second.policy) == {"least_loaded"}
+    assert len(second) == 4 * 3 and (second.status == "ok").all()
+    assert set(pd.read_csv(b / "summary.csv").policy) == {"least_loaded"}
+    for i, out in enumerate((a, b)):
+        session = json.loads((out / "load.json").read_text())["engine_session"]
+        assert session == {"experiments": ["mtest", "mtest2"], "position": i, "engine_logs": str(a / "engines")}
+    assert (a / "engines").is_dir() and not (b / "engines").exists()
+    assert "mtest:" in res.output and "mtest2:" in res.output
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--out", "o1"], "give one --out per EXPERIMENT: 2 experiment(s), 1 --out"),
+    (["--out", "o1", "--out", "o2", "--probe", "p1"], "give one --probe per EXPERIMENT (2), or none, not 1"),
+    (["--out", "o1", "--out", "o2", "--rounds", "1", "--rounds", "2", "--rounds", "3"],
+     "give --rounds once, or once per EXPERIMENT (2), not 3 times"),
+])
+def test_measure_of_several_experiments_names_a_miscount(tmp_path, exp_file, extra, message):
+    res = CliRunner().invoke(main, ["measure", str(exp_file), str(exp_file), "--hardware", "cpu", "--engine",
+                                    "emulator", *extra])
+    assert res.exit_code != 0 and message in res.output, res.output
+    assert not (tmp_path / "o1").exists()
+
+
+def test_an_engine_session_refuses_experiments_that_want_different_engines(tmp_path, exp_file):
+    """KV events change how the engines start: such experiments cannot share them."""
+    events = tmp_path / "events.yaml"
+    events.write_text(yaml.safe_dump({**EXP, "name": "ev", "view": "exact",
+                                      "load_signal": {"source": "events", "delay_ms": 10}}))
+    res = CliRunner().invoke(main, ["measure", str(exp_file), str(events), "--hardware", "cpu", "--engine", "emulator",
+                                    "--out", str(tmp_path / "a"), "--out", str(tmp_path / "b")])
+    assert res.exit_code != 0 and "KV events (ev)" in res.output and "measure them apart" in res.output, res.output
+    assert not (tmp_path / "a" / "engines").exists()

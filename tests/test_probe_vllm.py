@@ -3,9 +3,10 @@
 Needs the engine environment (`make engine-cpu` builds .venv-engine-cpu, or set
 KVROUTE_ENGINE_PYTHON); skipped, saying so, without it. Starts the profile's two workers
 (the Engines class measure uses) and runs a small plan through
-kvroute.live.probe.BracketProbe, as `kvroute measure --probe` runs it around a
-measurement (its two sessions on the same engines; `kvroute calibrate --probe` runs the
-same sessions on engines started for each), then fits it. About 1.5-2.5 minutes on 2
+kvroute.live.probe.BracketProbe, as `kvroute measure --probe` runs it around two
+measurements of one engine session (three sessions on the same engines, the middle one
+closing the first's bracket and opening the second's; `kvroute calibrate --probe` runs its
+sessions on engines started for each), then fits it. About 1.5-2.5 minutes on 2
 shared cores (start-up is most of it).
 """
 
@@ -38,12 +39,17 @@ def probed(tmp_path_factory):
     subprocess.run([engine_env.ENGINE_PY, "-m", "kvroute.live.model", "tiny", str(model)], check=True, cwd=ROOT,
                    timeout=600)
     hw = load_hardware("cpu")
-    bracket = BracketProbe(hw, PLAN)
+    bracket = BracketProbe(hw, PLAN, measurements=2)  # as `kvroute measure EXP1 EXP2 --probe P1 --probe P2`
     with running_engines(hw, run_dir=tmp_path_factory.mktemp("engines"), host="127.0.0.1", model_dir=model,
                          python=engine_env.ENGINE_PY) as eng:
         bracket.before(eng)
-        bracket.after(eng)  # a measurement runs between the two (kvroute measure --probe)
+        bracket.after(eng)  # the first measurement runs before this session, the second after it
+        bracket.after(eng)
+    SECOND.update(zip(("requests", "facts"), bracket.bracket(1)))
     return hw, bracket.requests, bracket.facts
+
+
+SECOND: dict = {}  # the second measurement's bracket (sessions 1 and 2), filled by the fixture
 
 
 def test_every_probe_ran_as_planned(probed):
@@ -112,8 +118,9 @@ def test_the_client_phase_measures_the_gateway_and_load_generators_cpu(probed):
     engine.client_worker's core as kvroute measure pins it; the fit gives the client's costs."""
     hw, requests, facts = probed
     batches = facts["client"]
-    assert len(batches) == PLAN.client_repetitions * len(PLAN.client_kinds)
-    assert {b["session"] for b in batches} == {0}  # BracketProbe.BEFORE
+    # BracketProbe.BEFORE in session 0, and again in session 1, which opens the next measurement's bracket
+    assert len(batches) == PLAN.client_repetitions * len(PLAN.client_kinds) * 2
+    assert {b["session"] for b in batches} == {0, 1}
     assert all(b["errors"] == 0 and b["requests"] == PLAN.client_requests and b["cpu_ms"] > 0 for b in batches)
     for b in batches:  # every chat streamed all its tokens back through the gateway
         assert b["output_tokens"] == PLAN.client_requests * b["max_tokens"]
@@ -135,7 +142,7 @@ def test_the_refused_phase_measures_what_a_refusal_costs_a_worker(probed):
     worker's process tree CPU time, which the fit states with an error."""
     hw, requests, facts = probed
     batches = facts["refused"]
-    assert len(batches) == PLAN.refused_repetitions * hw.workers
+    assert len(batches) == PLAN.refused_repetitions * hw.workers * 2  # sessions 0 and 1 (see the client phase)
     assert all(b["statuses"] == {"403": PLAN.refused_requests} and b["errors"] == 0 for b in batches), batches
     assert sum(b["cpu_ms"] for b in batches) > 0
     fit = fit_probes(requests, hw, plan_facts(PLAN, hw) | facts)
@@ -174,3 +181,19 @@ def test_the_neighbour_phase_times_each_engine_beside_idle_and_busy_neighbours(p
     fit = fit_probes(requests, hw, plan_facts(PLAN, hw) | facts)
     k = fit.measured["neighbour_slowdown"]
     assert 0.5 < k["value"] < 3 and k["se"] > 0, k
+
+
+def test_a_session_between_two_measurements_closes_one_bracket_and_opens_the_next(probed):
+    """Two measurements on one engine session: the second's probe is sessions 1 and 2, the
+    middle one shared with the first's and holding every phase; each bracket is two
+    sessions' worth of requests and fits on its own."""
+    hw, first, facts = probed
+    second, facts2 = SECOND["requests"], SECOND["facts"]
+    assert {r.session for r in first} == {0, 1} and {r.session for r in second} == {1, 2}
+    assert len(second) == len(first) == PLAN.count(hw.engine.max_num_seqs) * hw.workers * PLAN.sessions
+    assert facts["sessions"] == [0, 1] and facts2["sessions"] == [1, 2]
+    assert facts2["probe_s"][0] == facts["probe_s"][1] and "session 1 also closed measurement 0's" in facts2["bracket"]
+    assert "session 1 also opens measurement 1's" in facts["bracket"]
+    assert {b["session"] for b in facts2["client"]} == {1} and {r["session"] for r in facts2["neighbour"]} == {1, 2}
+    fit = fit_probes(second, hw, plan_facts(PLAN, hw) | facts2)
+    assert all(math.isfinite(fit.coefficients[k]) for k in FITTED), fit.coefficients

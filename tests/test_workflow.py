@@ -248,12 +248,13 @@ def test_a_field_experiment_also_in_paper_is_refused(repo, tmp_path):
 
 
 def test_a_measurement_depends_on_the_policies_it_runs_only(repo, capfd, tmp_path):
-    """Editing kv_aware.py reruns note2-cpu's measurement (it runs kv_aware), not the
-    explainer's (sticky and random); with measure.probe each CPU measurement also writes
-    its probe requests, which a probe_fit job of its own fits (the fit's code is that
-    job's input, not the measurement's: editing the fit reruns no measurement)."""
+    """With measure.share_engines false, editing kv_aware.py reruns note2-cpu's measurement
+    (it runs kv_aware), not the explainer's (sticky and random); with measure.probe each CPU
+    measurement also writes its probe requests, which a probe_fit job of its own fits (the
+    fit's code is that job's input, not the measurement's: editing the fit reruns no
+    measurement)."""
     on = tmp_path / "measure.yaml"
-    on.write_text(yaml.safe_dump({"measure": {"enabled": True, "probe": True, "runs": [
+    on.write_text(yaml.safe_dump({"measure": {"enabled": True, "probe": True, "share_engines": False, "runs": [
         {"experiment": "note2-cpu", "hardware": "cpu"}, {"experiment": "explainer-two-replicas", "hardware": "cpu"}]}}))
     _, text = dry_run(repo, capfd, targets=("measure",), configfiles=[repo / "config/config.yaml", on])
     inputs = {}
@@ -275,6 +276,30 @@ def test_a_measurement_depends_on_the_policies_it_runs_only(repo, capfd, tmp_pat
     assert "measure/explainer-two-replicas/cpu/probe.json" in fit and "probefit.py" in fit
     assert "requests.parquet" not in fit and "src/kvroute/policies/" not in fit  # the probe file only
     assert not [r for r, _ in inputs if r == "probe"]  # no probe of its own: the measurements probe
+
+
+def test_cpu_measurements_share_one_engine_session_by_default(repo, capfd, tmp_path):
+    """measure.share_engines (the default): one measure_cpu job for both CPU experiments, in
+    measure.runs' order, each with its own folder and probe file; its inputs are both
+    experiments and both's policies (editing either re-measures both), and each probe file
+    still has a probe_fit job of its own."""
+    on = tmp_path / "measure.yaml"
+    on.write_text(yaml.safe_dump({"measure": {"enabled": True, "probe": True, "runs": [
+        {"experiment": "note2-cpu", "hardware": "cpu", "rounds": 2},
+        {"experiment": "explainer-two-replicas", "hardware": "cpu"}]}}))
+    counts, text = dry_run(repo, capfd, targets=("measure",), configfiles=[repo / "config/config.yaml", on], shell=True)
+    assert counts["measure_cpu"] == 1 and counts["probe_fit"] == 2, text[-3000:]
+    job = text.split("rule measure_cpu:", 1)[1].split("\n\n", 1)[0]
+    inputs = next(ln for ln in job.splitlines() if ln.strip().startswith("input:"))
+    assert "note2-cpu.yaml" in inputs and "explainer-two-replicas.yaml" in inputs
+    assert "policies/kv_aware.py" in inputs and "policies/sticky.py" in inputs
+    assert "log: results/logs/measure/cpu.log" in job, job
+    command = next(ln for ln in job.splitlines() if "kvroute -v measure" in ln)
+    n2, ex = "results/measure/note2-cpu/cpu", "results/measure/explainer-two-replicas/cpu"
+    assert command.index("note2-cpu.yaml") < command.index("explainer-two-replicas.yaml")
+    assert f"--out {n2} --out {ex} --probe {n2}/probe.json --probe {ex}/probe.json" in command, command
+    # note2-cpu's rounds from the config, the explainer's from its own file
+    assert "--rounds 2 --rounds 3" in command, command
 
 
 def test_a_dataset_workload_is_fetched_first(repo, capfd, tmp_path):

@@ -32,11 +32,14 @@ POINT_HELP = ("The experiment's operating point (`kvroute operating-point`'s fil
 
 
 @click.command()
-@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("experiments", metavar="EXPERIMENT...", nargs=-1, required=True,
+                type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--hardware", required=True, help="Hardware profile whose workers to start (cpu here).")
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for requests.parquet and summary.csv.")
+@click.option("--out", "outs", multiple=True, required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for requests.parquet and summary.csv: one per EXPERIMENT, in their order.")
 @click.option("--policy", "policies", multiple=True, help="Policy spec (repeatable); replaces the experiment's policies.")
-@click.option("--rounds", type=click.IntRange(min=1), help="Number of rounds (default: the experiment's).")
+@click.option("--rounds", "rounds", multiple=True, type=click.IntRange(min=1),
+              help="Number of rounds (default: the experiment's): once for every EXPERIMENT, or once for each.")
 @click.option("--round", "round_", type=click.IntRange(min=0), help="Measure only this round (0-based).")
 @click.option("--engine", type=click.Choice(["vllm", "vllm-cpu", "emulator"]), help="Engine kind instead of the profile's (emulator: labelled emulated).")
 @click.option("--redis", "redis_url", help="Redis URL for the gateway's session table (default: in memory).")
@@ -49,31 +52,47 @@ POINT_HELP = ("The experiment's operating point (`kvroute operating-point`'s fil
 @click.option("--warmup-s", type=click.FloatRange(min=0),
               help="Warm real engines up first for at most this long (the first run's trace, round-robin, unrecorded; "
                    "default kvroute.live.measure.WARMUP_S); 0: not at all.")
-@click.option("--probe", "probe_out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Also probe the engines before and after the measurement (probe requests of their own, as "
+@click.option("--probe", "probe_outs", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Also probe the engines before and after each measurement (probe requests of their own, as "
                    "`kvroute calibrate --probe` sends) and write them to this JSON file, for `kvroute calibrate "
-                   "--probe --probed FILE`.")
-def measure(experiment: Path, hardware: str, out: Path, policies: tuple[str, ...], rounds: int | None, round_: int | None,
-            engine: str | None, redis_url: str | None, time_scale: float, max_requests: int | None, time_limit_s: float | None,
-            kv_events: bool, load: float | None, warmup_s: float | None, probe_out: Path | None) -> None:
+                   "--probe --probed FILE`: one per EXPERIMENT, in their order.")
+def measure(experiments: tuple[Path, ...], hardware: str, outs: tuple[Path, ...], policies: tuple[str, ...],
+            rounds: tuple[int, ...], round_: int | None, engine: str | None, redis_url: str | None, time_scale: float,
+            max_requests: int | None, time_limit_s: float | None, kv_events: bool, load: float | None,
+            warmup_s: float | None, probe_outs: tuple[Path, ...]) -> None:
     """Measure EXPERIMENT on real engines behind the gateway: engines up, load, engines down.
 
-    With --probe, the very engine processes it measures are probed before and after it and
-    the probe requests written apart from the records, for `kvroute calibrate --probe
-    --probed` to fit: the fit reads its own probe requests only."""
+    Several EXPERIMENTs run one after another on the same engine processes (one start-up),
+    each with its own --out (and --probe). With --probe, the very engine processes each
+    measures are probed before and after it (one probe session between two experiments
+    serves both) and the probe requests written apart from the records, for `kvroute
+    calibrate --probe --probed` to fit: the fit reads its own probe requests only."""
     from kvroute.live.engines import EngineError
-    from kvroute.live.measure import WARMUP_S, measure_experiment
+    from kvroute.live.measure import WARMUP_S, Measurement, measure_experiments
 
+    n = len(experiments)
+    if len(outs) != n:
+        raise click.UsageError(f"give one --out per EXPERIMENT: {n} experiment(s), {len(outs)} --out")
+    if len(rounds) not in (0, 1, n):
+        raise click.UsageError(f"give --rounds once, or once per EXPERIMENT ({n}), not {len(rounds)} times")
+    if len(probe_outs) not in (0, n):
+        raise click.UsageError(f"give one --probe per EXPERIMENT ({n}), or none, not {len(probe_outs)}")
+    each = list(rounds) * n if len(rounds) == 1 else list(rounds) or [None] * n
     try:
-        exp = load_experiment(experiment)
-        summary = measure_experiment(exp, out, hardware, list(policies) or None, rounds, round_, engine, redis_url,
-                                     time_scale, max_requests, time_limit_s, kv_events, load,
-                                     WARMUP_S if warmup_s is None else warmup_s, probe_out)
+        items = [Measurement(load_experiment(e), out, probe_outs[i] if probe_outs else None, each[i])
+                 for i, (e, out) in enumerate(zip(experiments, outs))]
+        summaries = measure_experiments(items, hardware, list(policies) or None, round_, engine, redis_url,
+                                        time_scale, max_requests, time_limit_s, kv_events, load,
+                                        WARMUP_S if warmup_s is None else warmup_s)
     except (ExperimentError, EngineError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
-    cols = ["hardware", "policy", "round", *_load_cols(summary), "requests", "errors", "later_ttft_mean_ms", "hit_rate", "imbalance"]
-    click.echo(summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    _echo_scaling(summary)
+    for m, summary in zip(items, summaries):
+        if n > 1:
+            click.echo(f"{m.exp.name}:")
+        cols = ["hardware", "policy", "round", *_load_cols(summary), "requests", "errors", "later_ttft_mean_ms",
+                "hit_rate", "imbalance"]
+        click.echo(summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        _echo_scaling(summary)
 
 
 class LazyGroup(click.Group):

@@ -492,6 +492,44 @@ def get_measure_rounds_arg(wildcards):
     return ""
 
 
+def is_engine_session_shared():
+    """measure.share_engines (default true): one job measures every CPU experiment of a
+    hardware on one set of engine processes (`kvroute measure EXP... --out D...`)."""
+    return config["measure"].get("share_engines", True)
+
+
+def get_cpu_session():
+    """The experiments one CPU engine session measures, in measure.runs' order: the same
+    on every CPU hardware, or a WorkflowError that says to measure apart."""
+    per = {hw: [e for e, h in get_measure_runs() if h == hw] for hw in get_measure_hardware(cpu=True)}
+    if len({tuple(v) for v in per.values()}) > 1:
+        raise WorkflowError("measure.share_engines: every CPU hardware must measure the same experiments to share "
+                            f"one job's engine session ({per}); set measure.share_engines: false")
+    return next(iter(per.values()), [])
+
+
+def get_cpu_session_policy_sources(wildcards):
+    """The policy modules an engine session runs: every experiment's (get_measure_policy_sources)."""
+    from types import SimpleNamespace
+
+    return sorted({f for e in get_cpu_session() for f in get_measure_policy_sources(SimpleNamespace(mexp=e))})
+
+
+def get_cpu_session_args(wildcards, output):
+    """`kvroute measure`'s arguments for the engine session: every experiment, then an --out
+    (and a --probe, with measure.probe) per experiment, and each one's rounds where a run sets any."""
+    session = get_cpu_session()
+    files = [experiment_file(e) for e in session]
+    outs = [str(Path(output[f"requests_{i}"]).parent) for i in range(len(session))]
+    args = [*files, *(a for o in outs for a in ("--out", o))]
+    if is_probe_enabled():
+        args += [a for i in range(len(session)) for a in ("--probe", output[f"probed_{i}"])]
+    set_ = {r["experiment"]: r.get("rounds") for r in config["measure"]["runs"] if r["hardware"] == wildcards.mhw}
+    if any(set_.values()):
+        args += [a for e in session for a in ("--rounds", str(int(set_[e] or _experiment(e, "measure.runs").rounds)))]
+    return " ".join(shlex.quote(a) for a in args)
+
+
 def get_measure_hardware_files(wildcards):
     return [f"hardware/{wildcards.mhw}.yaml", "hardware/models.yaml", "hardware/coefficients.yaml"]
 

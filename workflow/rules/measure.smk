@@ -61,38 +61,78 @@ MEASURE_CPU_OUTPUTS = {
 } | ({"probed": "results/measure/{mexp}/{mhw}/probe.json"} if is_probe_enabled() else {})
 
 
-rule measure_cpu:
-    # kvroute measure runs from the main environment; the vLLM servers it starts use
-    # .venv-engine-cpu (`make engine-cpu`), found without configuration.
-    input:
-        experiment=get_measure_experiment,
-        hardware=get_measure_hardware_files,
-        sources=LIVE_SOURCES,
-        policy_sources=get_measure_policy_sources,  # the policies it runs, not every policy
-        model=rules.tiny_model.output,
-    output:
-        **MEASURE_CPU_OUTPUTS,
-    wildcard_constraints:
-        mhw=_alternation(get_measure_hardware(cpu=True)),
-        mexp=_alternation(e for e, _ in get_measure_runs()),
-    params:
-        out=output_dir("requests"),
-        rounds=get_measure_rounds_arg,
-        probe=lambda wildcards, output: f"--probe {output.probed}" if hasattr(output, "probed") else "",
-    threads: workflow.cores  # the whole machine: a simulation beside it would slow the engines
-    resources:
-        mem_mb=12000,
-        runtime=60,
-        measure_slot=1,  # one measurement at a time: two would share the same cores
-    log:
-        "results/logs/measure/{mexp}/{mhw}.log",
-    benchmark:
-        "results/benchmarks/measure/{mexp}/{mhw}.tsv"
-    conda:
-        "../../envs/engine-cpu.yaml"
-    shell:
-        "kvroute -v measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} {params.rounds}"
-        " {params.probe} > {log:q} 2>&1"
+CPU_SESSION = get_cpu_session() if is_engine_session_shared() else []
+
+if CPU_SESSION:
+
+    rule measure_cpu:
+        # measure.share_engines (the default): every CPU experiment in one job, one after
+        # another on one set of engine processes (`kvroute measure EXP... --out D...`), so the
+        # engines start once and one probe session between two experiments closes the first's
+        # bracket and opens the next's (docs/costmodel.md). Editing one of them re-measures all.
+        # kvroute measure runs from the main environment; the vLLM servers it starts use
+        # .venv-engine-cpu (`make engine-cpu`), found without configuration.
+        input:
+            experiments=[experiment_file(e) for e in CPU_SESSION],
+            hardware=get_measure_hardware_files,
+            sources=LIVE_SOURCES,
+            policy_sources=get_cpu_session_policy_sources,  # the policies they run, not every policy
+            model=rules.tiny_model.output,
+        output:
+            **{f"{k}_{i}": v.replace("{mexp}", e) for i, e in enumerate(CPU_SESSION) for k, v in MEASURE_CPU_OUTPUTS.items()},
+        wildcard_constraints:
+            mhw=_alternation(get_measure_hardware(cpu=True)),
+        params:
+            args=get_cpu_session_args,
+        threads: workflow.cores  # the whole machine: a simulation beside it would slow the engines
+        resources:
+            mem_mb=12000,
+            runtime=60 * max(1, len(CPU_SESSION)),
+            measure_slot=1,  # one measurement at a time: two would share the same cores
+        log:
+            "results/logs/measure/{mhw}.log",
+        benchmark:
+            "results/benchmarks/measure/{mhw}.tsv"
+        conda:
+            "../../envs/engine-cpu.yaml"
+        shell:
+            "kvroute -v measure {params.args} --hardware {wildcards.mhw:q} > {log:q} 2>&1"
+
+else:
+
+    rule measure_cpu:
+        # measure.share_engines: false: one job per experiment, each starting its own engines.
+        # kvroute measure runs from the main environment; the vLLM servers it starts use
+        # .venv-engine-cpu (`make engine-cpu`), found without configuration.
+        input:
+            experiment=get_measure_experiment,
+            hardware=get_measure_hardware_files,
+            sources=LIVE_SOURCES,
+            policy_sources=get_measure_policy_sources,  # the policies it runs, not every policy
+            model=rules.tiny_model.output,
+        output:
+            **MEASURE_CPU_OUTPUTS,
+        wildcard_constraints:
+            mhw=_alternation(get_measure_hardware(cpu=True)),
+            mexp=_alternation(e for e, _ in get_measure_runs()),
+        params:
+            out=output_dir("requests"),
+            rounds=get_measure_rounds_arg,
+            probe=lambda wildcards, output: f"--probe {output.probed}" if hasattr(output, "probed") else "",
+        threads: workflow.cores  # the whole machine: a simulation beside it would slow the engines
+        resources:
+            mem_mb=12000,
+            runtime=60,
+            measure_slot=1,  # one measurement at a time: two would share the same cores
+        log:
+            "results/logs/measure/{mexp}/{mhw}.log",
+        benchmark:
+            "results/benchmarks/measure/{mexp}/{mhw}.tsv"
+        conda:
+            "../../envs/engine-cpu.yaml"
+        shell:
+            "kvroute -v measure {input.experiment:q} --hardware {wildcards.mhw:q} --out {params.out:q} {params.rounds}"
+            " {params.probe} > {log:q} 2>&1"
 
 
 rule probe_fit:

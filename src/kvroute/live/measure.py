@@ -47,7 +47,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -163,6 +165,17 @@ def per_worker_load(result: LoadResult, names: list[str], urls: list[str]) -> di
     return out
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """One experiment of an engine session: where its records go (``out``) and, with a
+    bracketing probe, its probe requests (``probe_out``); ``rounds`` as ``--rounds``."""
+
+    exp: Experiment
+    out: Path
+    probe_out: Path | None = None
+    rounds: int | None = None
+
+
 def measure_experiment(
     exp: Experiment,
     out: Path,
@@ -197,40 +210,82 @@ def measure_experiment(
         EngineError: an engine or a production router cannot be started or reached
             (the message says what to build).
     """
+    return measure_experiments([Measurement(exp, Path(out), probe_out, rounds)], hardware, policies, round_, engine,
+                               redis_url, time_scale, max_requests, time_limit_s, kv_events, load, warmup_s)[0]
+
+
+def measure_experiments(
+    items: Sequence[Measurement],
+    hardware: str,
+    policies: list[str] | None = None,
+    round_: int | None = None,
+    engine: str | None = None,
+    redis_url: str | None = None,
+    time_scale: float = 1.0,
+    max_requests: int | None = None,
+    time_limit_s: float | None = None,
+    kv_events: bool = False,
+    load: float | None = None,
+    warmup_s: float = WARMUP_S,
+) -> list[pd.DataFrame]:
+    """:func:`measure_experiment` for several experiments, one after another on one set of
+    engine processes (one start-up; the engines' logs in the first's ``out``/engines).
+
+    With probes (every item's ``probe_out``, or none's), one :class:`BracketProbe` session
+    runs before the first, after the last, and one between each two, which closes the
+    first's bracket and opens the next's: each measurement is still probed on either side,
+    on the processes it ran. Each experiment warms the engines up and resets their prefix
+    caches before its runs, as when it runs alone. Every spec is checked, and the
+    experiments must want the same engines (KV events on or off), before any engine starts.
+    Records are written once the engines have stopped.
+
+    Raises:
+        EngineError: as :func:`measure_experiment`.
+        ValueError: some items have a probe file and others not, or the experiments want
+            engines started differently.
+    """
     try:
-        return _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale,
-                                   max_requests, time_limit_s, kv_events, load, warmup_s, probe_out)
+        return _measure_experiments(list(items), hardware, policies, round_, engine, redis_url, time_scale,
+                                    max_requests, time_limit_s, kv_events, load, warmup_s)
     except PeerError as exc:
         raise EngineError(str(exc)) from exc
 
 
-def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, redis_url, time_scale, max_requests,
-                        time_limit_s, kv_events=False, load=None, warmup_s=WARMUP_S, probe_out=None) -> pd.DataFrame:
+def _measure_experiments(items, hardware, policies, round_, engine, redis_url, time_scale, max_requests,
+                         time_limit_s, kv_events=False, load=None, warmup_s=WARMUP_S) -> list[pd.DataFrame]:
+    if not items:
+        raise ValueError("no experiment to measure")
     hw = load_hardware(hardware)
+    probed = [m.probe_out is not None for m in items]
+    if any(probed) and not all(probed):
+        raise ValueError("probe every experiment of an engine session or none: "
+                         f"{', '.join(m.exp.name for m in items if m.probe_out is None)} have no probe file")
     bracket = None
-    if probe_out is not None:
+    if all(probed):
         if (engine or hw.engine.kind) == "emulator":
             raise EngineError("--probe calibrates real engines; the emulator runs the simulator's own step times")
-        bracket = BracketProbe(hw)
-    runs = exp.expand(policies, hardware, rounds, round_, measured=True, load=load)
-    signal = exp.load_signal
-    if signal.source == "events" and not kv_events:
+        bracket = BracketProbe(hw, measurements=len(items))
+    plans = []
+    for m in items:
+        runs = m.exp.expand(policies, hardware, m.rounds, round_, measured=True, load=load)
+        for r in runs:  # bad specs (and a missing routers environment) fail before any engine starts
+            if is_peer_spec(r.policy):
+                parse_peer_spec(r.policy)
+                routers_venv()
+            else:
+                make_policy(r.policy, np.random.default_rng(0))
+        plans.append((m, runs, m.exp.load_signal))
+    events = {signal.source == "events" for _, _, signal in plans}
+    if not kv_events and len(events) > 1:
+        raise ValueError("one engine session cannot measure both experiments whose load signal is KV events "
+                         f"({', '.join(m.exp.name for m, _, s in plans if s.source == 'events')}) and others "
+                         "(their engines publish no events): measure them apart")
+    if not kv_events and events == {True}:
         log.info("load_signal events: the engines publish KV events (as with --kv-events)")
         kv_events = True
-    for r in runs:  # bad specs (and a missing routers environment) fail before any engine starts
-        if is_peer_spec(r.policy):
-            parse_peer_spec(r.policy)
-            routers_venv()
-        else:
-            make_policy(r.policy, np.random.default_rng(0))
-    out = Path(out)
-    records: list[dict] = []
-    workers: dict[tuple, list[str]] = {}
-    checks: dict[str, dict] = {}
-    loads: dict[str, dict] = {}
-    client_cpu: dict[str, float] = {}
+    done = []
     with ExitStack() as stack:
-        engines = stack.enter_context(running_engines(hw, run_dir=out / "engines", kind=engine,
+        engines = stack.enter_context(running_engines(hw, run_dir=Path(items[0].out) / "engines", kind=engine,
                                                       time_scale=time_scale, kv_events=kv_events))
         source = "emulated" if engines.kind == "emulator" else "live"
         pinned = stack.enter_context(pinned_process(engines.client_cpus(hw)))
@@ -241,52 +296,81 @@ def _measure_experiment(exp, out, hardware, policies, rounds, round_, engine, re
         if bracket is not None:
             log.info("probing %s before the measurement (its own requests, every worker alone)", hardware)
             bracket.before(engines)
-        warmup = {}
-        if runs and engines.kind != "emulator" and warmup_s > 0:  # the emulator has no first-load cost
-            log.info("warming up %s for at most %.0f s (unrecorded)", hardware, warmup_s)
-            warmup = warm_up(engines, hw, load_trace(exp, runs[0].round, runs[0].load), exp.seed, warmup_s,
-                             max_requests)
-        for run in runs:
-            trace = load_trace(exp, run.round, run.load)
-            engines.reset_prefix_cache()
-            peer = is_peer_spec(run.policy)
-            at = "" if run.load is None else f" {exp.load.param}={run.load}"
-            log.info("measuring %s on %s round %d%s (%s)", run.policy, hardware, run.round, at, source)
-            kwargs = {"max_requests": max_requests, "time_limit_s": time_limit_s}
-            cpu0 = time.process_time()
-            if peer:
-                at_load = "" if run.load is None else f"-load{format_load(run.load)}"
-                logp = out / "routers" / f"{run.policy.replace(':', '-')}{at_load}-round{run.round}.log"
-                result = _measure_peer(engines, hw, trace, run.policy, logp, **kwargs)
-            else:
-                result = asyncio.run(
-                    gateway_load(engines, hw, trace, run.policy, seed=exp.seed + run.round, redis_url=redis_url,
-                                    load_signal=signal, **kwargs)
-                )
-            records += records_for(result.rows, source=source, experiment=exp.name, hardware=hardware,
-                                   policy=run.policy, round=run.round, seed=trace_seed(exp.seed, run.round),
-                                   view=PEER_VIEW if peer else "exact" if kv_events else "approx",
-                                   load_signal=PEER_VIEW if peer else signal.label, **load_columns(exp, run),
-                                   scaling=trace.meta.get("scaling"))
-            workers[(exp.name, hardware, run.policy, run.round)] = list(engines.names)
-            key = _run_label(run.policy, run.round, run.load)
-            client_cpu[key] = round(time.process_time() - cpu0, 3)
-            checks[key] = result.cross_check()
-            loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))
+        for i, (m, runs, signal) in enumerate(plans):
+            result = _measure_runs(engines, hw, hardware, m.exp, m.out, runs, signal, source, kv_events, redis_url,
+                                   max_requests, time_limit_s, warmup_s)
+            result["extra"] |= {"cpu_affinity": affinity, "engine_session": _session_facts(items, i)}
+            done.append(result)
+            if bracket is not None:
+                nxt = f" (and before {items[i + 1].exp.name})" if i + 1 < len(items) else ""
+                log.info("probing %s after the measurement of %s%s", hardware, m.exp.name, nxt)
+                bracket.after(engines)
+    summaries = []
+    for i, (m, result) in enumerate(zip(items, done)):
+        summary = write_results(result["records"], m.out, workers=result["workers"], extra=result["extra"])
         if bracket is not None:
-            log.info("probing %s after the measurement", hardware)
-            bracket.after(engines)
-    summary = write_results(records, out, workers=workers,
-                            extra={"engine": engine or hw.engine.kind, "cross_check": checks, "per_worker": loads,
-                                   "kv_events": kv_events, "cpu_affinity": affinity, "client_cpu_s": client_cpu,
-                                   "load_signal": signal.label, "warmup": warmup})
-    if bracket is not None:
-        from kvroute.probefit import plan_facts
+            from kvroute.probefit import plan_facts
 
-        write_probed(probe_out, bracket.requests, plan_facts(bracket.plan, hw) | bracket.facts)
-        log.info("wrote %s: %d probe requests (fit them with kvroute calibrate --probe --probed)", probe_out,
-                 len(bracket.requests))
-    return _imbalance_from_metrics(summary, records, loads, out)
+            requests, facts = bracket.bracket(i)
+            write_probed(m.probe_out, requests,
+                         plan_facts(bracket.plan, hw) | facts | {"engine_session": _session_facts(items, i)})
+            log.info("wrote %s: %d probe requests (fit them with kvroute calibrate --probe --probed)", m.probe_out,
+                     len(requests))
+        summaries.append(_imbalance_from_metrics(summary, result["records"], result["loads"], m.out))
+    return summaries
+
+
+def _session_facts(items: Sequence[Measurement], i: int) -> dict:
+    """load.json's ``engine_session``: the experiments measured on the same engine processes,
+    in order, this one's place among them, and where the engines' logs are."""
+    return {"experiments": [m.exp.name for m in items], "position": i,
+            "engine_logs": str(Path(items[0].out) / "engines")}
+
+
+def _measure_runs(engines, hw, hardware, exp, out, runs, signal, source, kv_events, redis_url, max_requests,
+                  time_limit_s, warmup_s) -> dict:
+    """One experiment's runs on the running ``engines``: its records, workers, per-worker
+    loads and load.json's facts (written later, once the engines are down)."""
+    records: list[dict] = []
+    workers: dict[tuple, list[str]] = {}
+    checks: dict[str, dict] = {}
+    loads: dict[str, dict] = {}
+    client_cpu: dict[str, float] = {}
+    warmup = {}
+    if runs and engines.kind != "emulator" and warmup_s > 0:  # the emulator has no first-load cost
+        log.info("warming up %s for at most %.0f s (unrecorded)", hardware, warmup_s)
+        warmup = warm_up(engines, hw, load_trace(exp, runs[0].round, runs[0].load), exp.seed, warmup_s,
+                         max_requests)
+    for run in runs:
+        trace = load_trace(exp, run.round, run.load)
+        engines.reset_prefix_cache()
+        peer = is_peer_spec(run.policy)
+        at = "" if run.load is None else f" {exp.load.param}={run.load}"
+        log.info("measuring %s of %s on %s round %d%s (%s)", run.policy, exp.name, hardware, run.round, at, source)
+        kwargs = {"max_requests": max_requests, "time_limit_s": time_limit_s}
+        cpu0 = time.process_time()
+        if peer:
+            at_load = "" if run.load is None else f"-load{format_load(run.load)}"
+            logp = Path(out) / "routers" / f"{run.policy.replace(':', '-')}{at_load}-round{run.round}.log"
+            result = _measure_peer(engines, hw, trace, run.policy, logp, **kwargs)
+        else:
+            result = asyncio.run(
+                gateway_load(engines, hw, trace, run.policy, seed=exp.seed + run.round, redis_url=redis_url,
+                             load_signal=signal, **kwargs)
+            )
+        records += records_for(result.rows, source=source, experiment=exp.name, hardware=hardware,
+                               policy=run.policy, round=run.round, seed=trace_seed(exp.seed, run.round),
+                               view=PEER_VIEW if peer else "exact" if kv_events else "approx",
+                               load_signal=PEER_VIEW if peer else signal.label, **load_columns(exp, run),
+                               scaling=trace.meta.get("scaling"))
+        workers[(exp.name, hardware, run.policy, run.round)] = list(engines.names)
+        key = _run_label(run.policy, run.round, run.load)
+        client_cpu[key] = round(time.process_time() - cpu0, 3)
+        checks[key] = result.cross_check()
+        loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))
+    extra = {"engine": engines.kind, "cross_check": checks, "per_worker": loads, "kv_events": kv_events,
+             "client_cpu_s": client_cpu, "load_signal": signal.label, "warmup": warmup}
+    return {"records": records, "workers": workers, "loads": loads, "extra": extra}
 
 
 def _run_label(policy: str, round_: int, load: float | None) -> str:

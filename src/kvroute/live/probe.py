@@ -478,7 +478,7 @@ async def probe_workers(names: Sequence[str], urls: Sequence[str], model: str, p
     Raises:
         EngineError: a worker cannot be reached, or its /metrics lacks the histograms.
     """
-    progress = _Progress(plan.count(max_num_seqs) * len(urls), f"probe session {session + 1}/{plan.sessions}")
+    progress = _Progress(plan.count(max_num_seqs) * len(urls), f"probe session {session + 1}/{max(plan.sessions, session + 1)}")
     nonce = nonce or f"{time.time_ns():x}"
     connector = aiohttp.TCPConnector(limit=0)
     n = len(urls)
@@ -824,41 +824,88 @@ def run_probe(hw, run_dir, plan: ProbePlan | None = None, *, kind: str | None = 
 
 
 class BracketProbe:
-    """The probe split around a measurement, on the engines it measures: a session (every
-    worker alone, then the refused and client phases) before the measurement and one (then
-    the interference and neighbour phases) after it, so that the fit is of the very engine
-    processes the measurement ran, at the machine's speed on either side of it.
+    """The probe split around measurements, on the engines they measure: a session (every
+    worker alone, then the refused and client phases) before the first measurement, one
+    (then the interference and neighbour phases) after the last, and, between two
+    measurements of one engine session, one with every phase, which closes the first's
+    bracket and opens the next's. So the fit of each measurement is of the very engine
+    processes it ran, at the machine's speed on either side of it.
 
-    ``kvroute measure --probe OUT`` runs it (:func:`kvroute.live.measure.measure_experiment`).
-    The measurement's records are never its inputs: it sees only its own requests.
+    ``kvroute measure --probe OUT`` runs it (:func:`kvroute.live.measure.measure_experiments`):
+    call :meth:`after` once after each of ``measurements`` measurements; :meth:`bracket`
+    is measurement i's probe (sessions i and i + 1). The measurements' records are never
+    its inputs: it sees only its own requests.
     """
 
     BEFORE = ("refused", "client")
     AFTER = ("interference", "neighbour")
 
-    def __init__(self, hw, plan: ProbePlan | None = None) -> None:
+    def __init__(self, hw, plan: ProbePlan | None = None, measurements: int = 1) -> None:
         self.hw = hw
         self.plan = plan or ProbePlan()
         if self.plan.sessions != 2:
             raise ValueError(f"a bracketing probe runs 2 sessions (before and after), not {self.plan.sessions}")
-        self.requests: list[ProbeRequest] = []
-        self.facts: dict = {"load_average_before": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count(),
-                            "probe_s": [],
-                            "bracket": "session 0 before the measurement, session 1 after it, on the same engines"}
+        if measurements < 1:
+            raise ValueError(f"a bracketing probe brackets at least one measurement, not {measurements}")
+        self.measurements = measurements
+        # per session run: its requests, its phases' rows, and when and how long it ran
+        self._sessions: list[tuple[list[ProbeRequest], dict, dict]] = []
 
-    def _session(self, eng, session: int, phases: Sequence[str]) -> None:
+    def phases(self, session: int) -> tuple[str, ...]:
+        """Session ``session``'s phases: BEFORE first, AFTER last, both between measurements."""
+        if session == 0:
+            return self.BEFORE
+        return self.AFTER if session == self.measurements else self.AFTER + self.BEFORE
+
+    def _session(self, eng) -> None:
+        k = len(self._sessions)
+        if k > self.measurements:
+            raise RuntimeError(f"the probe of {self.measurements} measurement(s) has run all its {k} sessions")
+        meta = {"load_average_before": [round(x, 2) for x in os.getloadavg()]}
         t0 = time.monotonic()
-        rows, facts = probe_session(eng, self.hw, self.plan, session, phases)
-        self.requests += rows
-        merge_phases(self.facts, facts)
-        self.facts["probe_s"].append(round(time.monotonic() - t0, 1))
+        rows, facts = probe_session(eng, self.hw, self.plan, k, self.phases(k))
+        meta["probe_s"] = round(time.monotonic() - t0, 1)
+        meta["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+        self._sessions.append((rows, facts, meta))
 
     def before(self, eng) -> None:
-        self._session(eng, 0, self.BEFORE)
+        """The session before the first measurement."""
+        if self._sessions:
+            raise RuntimeError("the probe's first session has run already")
+        self._session(eng)
 
     def after(self, eng) -> None:
-        self._session(eng, 1, self.AFTER)
-        self.facts["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+        """The session after the latest measurement (the next one's before, if any)."""
+        if not self._sessions:
+            raise RuntimeError("the probe's session after a measurement needs the one before it")
+        self._session(eng)
+
+    def bracket(self, i: int = 0) -> tuple[list[ProbeRequest], dict]:
+        """Measurement ``i``'s probe requests and facts: sessions i (before it) and i + 1
+        (after it), each row marked with its session."""
+        if not 0 <= i < len(self._sessions) - 1:
+            raise ValueError(f"measurement {i} has no closed bracket ({len(self._sessions)} sessions have run)")
+        (rows0, f0, m0), (rows1, f1, m1) = self._sessions[i], self._sessions[i + 1]
+        shared = f"; session {i} also closed measurement {i - 1}'s" if i else ""
+        shared += f"; session {i + 1} also opens measurement {i + 1}'s" if i + 1 < self.measurements else ""
+        facts: dict = {"load_average_before": m0["load_average_before"], "cores": os.cpu_count(),
+                       "probe_s": [m0["probe_s"], m1["probe_s"]], "sessions": [i, i + 1],
+                       "bracket": f"session {i} before the measurement, session {i + 1} after it, on the same "
+                                  f"engines{shared}"}
+        merge_phases(facts, f0)
+        merge_phases(facts, f1)
+        facts["load_average_after"] = m1["load_average_after"]
+        return rows0 + rows1, facts
+
+    @property
+    def requests(self) -> list[ProbeRequest]:
+        """The first measurement's probe requests (:meth:`bracket`)."""
+        return self.bracket(0)[0]
+
+    @property
+    def facts(self) -> dict:
+        """The first measurement's probe facts (:meth:`bracket`)."""
+        return self.bracket(0)[1]
 
 
 def write_probed(path, requests: Sequence[ProbeRequest], probed: dict) -> None:
