@@ -54,6 +54,7 @@ def test_measure_on_the_emulator_writes_labelled_records(tmp_path, exp_file):
     assert set(meta["client_cpu_s"]) == {"round_robin round 0", "sticky round 0"}
     assert all(v > 0 for v in meta["client_cpu_s"].values())
     assert meta["warmup"] == {}  # the emulator has no first-load cost to pay: no warm-up
+    assert meta["canary"] == {}  # the machine-speed canary times real engines' cores only
 
 
 def test_measure_rejects_unknown_policy_before_starting_engines(tmp_path, exp_file):

@@ -197,3 +197,16 @@ def test_a_session_between_two_measurements_closes_one_bracket_and_opens_the_nex
     assert {b["session"] for b in facts2["client"]} == {1} and {r["session"] for r in facts2["neighbour"]} == {1, 2}
     fit = fit_probes(second, hw, plan_facts(PLAN, hw) | facts2)
     assert all(math.isfinite(fit.coefficients[k]) for k in FITTED), fit.coefficients
+
+
+def test_each_session_times_the_machine_canary_on_each_engine_core(probed):
+    """kvroute.live.canary at the start and end of each session, on each worker's core: what
+    `kvroute validate` sets the measured runs' canary beside (machine.csv)."""
+    from kvroute.live.canary import WORK
+
+    hw, _, facts = probed
+    rows = facts["canary"]
+    cores = sorted(os.sched_getaffinity(0))[: hw.workers]
+    assert {(r["session"], r["when"], r["cpu"], r["work"]) for r in rows} == {
+        (s, w, c, k) for s in (0, 1) for w in ("start", "end") for c in cores for k in WORK}
+    assert all(r["ms"] > 0 for r in rows)

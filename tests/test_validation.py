@@ -11,9 +11,11 @@ from click.testing import CliRunner
 
 from kvroute.analysis.validation import (
     COLUMNS,
+    MACHINE_COLUMNS,
     ValidationError,
     headline,
     is_experiment_pattern,
+    machine_rows,
     measured_rows,
     order_checks,
     published_rows,
@@ -304,3 +306,29 @@ def test_the_command_writes_each_measured_workers_rows(tmp_path):
     assert set(w[w["policy"] == "round_robin"]["worker"]) == {"w0", "w1"}
     assert np.allclose(w["predicted"], w["measured"], equal_nan=True)
     assert w[w["metric"] == "request_share"].groupby("policy")["measured"].sum().round(9).eq(1.0).all()
+    # no canary in these folders (no load.json, no probe file): machine.csv has its columns and no rows
+    assert list(pd.read_csv(tmp_path / "v" / "machine.csv").columns) == list(MACHINE_COLUMNS)
+    assert pd.read_csv(tmp_path / "v" / "machine.csv").empty
+
+
+def test_machine_rows_set_the_runs_canary_beside_the_probes(tmp_path):
+    """A measurement whose canary ran 10% slower on cpu 0 than in its probe sessions (and as
+    fast on cpu 1) gets ratio 1.1 there and 1.0 beside it; folders without a canary are skipped."""
+    import json
+
+    d = tmp_path / "m"
+    d.mkdir()
+    pd.DataFrame({"experiment": ["e"], "hardware": ["cpu"]}).to_csv(d / "summary.csv", index=False)
+    probe = [{"cpu": c, "work": w, "ms": ms, "session": s, "when": "start"}
+             for s in (0, 1) for c, ms in ((0, 10.0), (1, 20.0)) for w in ("python", "numpy")]
+    (d / "probe.json").write_text(json.dumps({"probed": {"canary": probe}, "requests": []}))
+    runs = {f"p round {r}": [{"cpu": 0, "work": w, "ms": ms} for w in ("python", "numpy")] +
+            [{"cpu": 1, "work": w, "ms": 20.0} for w in ("python", "numpy")]
+            for r, ms in enumerate((11.0, 10.5, 11.5))}
+    (d / "load.json").write_text(json.dumps({"canary": runs}))
+    (tmp_path / "old").mkdir()
+    rows = machine_rows([d, tmp_path / "old"]).set_index(["cpu", "work"])
+    assert len(rows) == 4 and set(rows.experiment) == {"e"} and (rows.runs == 3).all()
+    assert rows.loc[(0, "python"), "ratio"] == pytest.approx(1.1)
+    assert rows.loc[(0, "numpy"), "measured_max_ms"] == 11.5
+    assert rows.loc[(1, "numpy"), "ratio"] == pytest.approx(1.0)

@@ -273,7 +273,8 @@ def merge(dirs: tuple[Path, ...], out: Path) -> None:
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for summary.csv and published.csv.")
 def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path, coefficients: tuple[Path, ...],
              experiments: Path, out: Path) -> None:
-    """Every prediction beside its measurement (summary.csv; per worker, workers.csv) and published value (published.csv)."""
+    """Every prediction beside its measurement (summary.csv; per worker, workers.csv) and published value
+    (published.csv); the machine's speed during each measurement against its probes (machine.csv)."""
     import functools
 
     import pandas as pd
@@ -283,6 +284,7 @@ def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path,
         ValidationError,
         headline,
         in_sample_experiments,
+        machine_rows,
         measured_rows,
         operating_point_anchors,
         published_rows,
@@ -322,11 +324,16 @@ def validate(sims: tuple[Path, ...], measured: tuple[Path, ...], reported: Path,
     write_csv(summary, out / "summary.csv")
     write_csv(published, out / "published.csv")
     write_csv(workers, out / "workers.csv")
+    machine = machine_rows(measured)
+    write_csv(machine, out / "machine.csv")
     h = headline(summary)
     click.echo(f"{len(summary)} measured rows, {len(published)} published rows; "
                f"timing median |error| {h['timing_median_abs_rel_error']:.1%}, hit rate worst {h['hit_rate_max_points']:.1f} points, "
                f"piled where measured: {h['piled_agree']:g}, order kept in {h['order_same_share']:.0%} of {h['order_pairs']:.0f} "
                f"distinguishable pairs")
+    for (exp, work), g in machine.groupby(["experiment", "work"]):
+        click.echo(f"machine during {exp}'s runs against its probes ({work}): x{g.ratio.median():.3f} "
+                   f"(slowest run x{(g.measured_max_ms / g.probe_ms).max():.3f})")
 
 
 @main.command("fit-gpu")

@@ -13,6 +13,7 @@ rule validate:
         summary=f"{RESULTS}/validation/summary.csv",
         published=f"{RESULTS}/validation/published.csv",
         workers=f"{RESULTS}/validation/workers.csv",
+        machine=f"{RESULTS}/validation/machine.csv",  # the canary's times: the machine's drift, reported only
     params:
         sims=lambda wildcards, input: " ".join(f"--sim {d}" for d in sorted({str(Path(p).parent) for p in input.sim})),
         measured=lambda wildcards, input: " ".join(f"--measured {d}" for d in sorted({str(Path(p).parent) for p in input.measure})),

@@ -368,3 +368,38 @@ def worker_rows(
                              "predicted": p, "measured": iv.mean, "measured_lo": iv.lo, "measured_hi": iv.hi,
                              "rel_error": _rel(p, iv.mean)})
     return pd.DataFrame(rows, columns=list(WORKER_COLUMNS))
+
+
+#: ``machine.csv``: the canary's times (kvroute.live.canary) on each engine core while the
+#: engines were probed and before each measured run; ``ratio`` above 1: the machine was
+#: slower during the measurement than in the probes its simulation was fitted to
+MACHINE_COLUMNS = ("experiment", "hardware", "cpu", "work", "probe_ms", "measured_ms", "measured_max_ms", "runs",
+                   "ratio")
+
+
+def machine_rows(measured: Iterable[Path]) -> pd.DataFrame:
+    """Per measured folder with a probe file (``load.json``'s ``canary`` beside
+    ``probe.json``'s), CPU and kind of work: the median canary time over the probe
+    sessions and over the runs, the slowest run, and their ratio. A report of the machine's
+    drift, never an input to any prediction."""
+    import json
+
+    rows = []
+    for d in measured:
+        load, probe = Path(d) / "load.json", Path(d) / "probe.json"
+        if not (load.is_file() and probe.is_file()):
+            continue
+        runs = json.loads(load.read_text()).get("canary") or {}
+        probed = json.loads(probe.read_text()).get("probed", {}).get("canary") or []
+        if not runs or not probed:
+            continue  # measured before the canary existed
+        summary = pd.read_csv(Path(d) / "summary.csv", usecols=["experiment", "hardware"]).iloc[0]
+        ran = pd.DataFrame([r for rs in runs.values() for r in rs])
+        base = pd.DataFrame(probed).groupby(["cpu", "work"]).ms.median()
+        for (cpu, work), g in ran.groupby(["cpu", "work"]):
+            ref = base.get((cpu, work), math.nan)
+            med = float(g.ms.median())
+            rows.append({"experiment": summary.experiment, "hardware": summary.hardware, "cpu": int(cpu),
+                         "work": work, "probe_ms": float(ref), "measured_ms": med, "measured_max_ms": float(g.ms.max()),
+                         "runs": len(g), "ratio": med / ref if ref > 0 else math.nan})
+    return pd.DataFrame(rows, columns=list(MACHINE_COLUMNS))

@@ -57,6 +57,7 @@ import pandas as pd
 
 from kvroute.experiment import Experiment
 from kvroute.hardware import load_hardware
+from kvroute.live.canary import canary, engine_cpus
 from kvroute.live.engines import EngineError, pinned_process, running_engines, served_model_name
 from kvroute.live.gateway import Gateway
 from kvroute.live.loadgen import WORKER_FIELD, LoadResult, records_for, run_load, write_results
@@ -341,9 +342,12 @@ def _measure_runs(engines, hw, hardware, exp, out, runs, signal, source, kv_even
         log.info("warming up %s for at most %.0f s (unrecorded)", hardware, warmup_s)
         warmup = warm_up(engines, hw, load_trace(exp, runs[0].round, runs[0].load), exp.seed, warmup_s,
                          max_requests)
+    canaries: dict[str, list[dict]] = {}
     for run in runs:
         trace = load_trace(exp, run.round, run.load)
         engines.reset_prefix_cache()
+        if engines.kind != "emulator":  # the machine's speed on the engines' cores, idle, before each run
+            canaries[_run_label(run.policy, run.round, run.load)] = canary(engine_cpus(engines))
         peer = is_peer_spec(run.policy)
         at = "" if run.load is None else f" {exp.load.param}={run.load}"
         log.info("measuring %s of %s on %s round %d%s (%s)", run.policy, exp.name, hardware, run.round, at, source)
@@ -369,7 +373,7 @@ def _measure_runs(engines, hw, hardware, exp, out, runs, signal, source, kv_even
         checks[key] = result.cross_check()
         loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))
     extra = {"engine": engines.kind, "cross_check": checks, "per_worker": loads, "kv_events": kv_events,
-             "client_cpu_s": client_cpu, "load_signal": signal.label, "warmup": warmup}
+             "client_cpu_s": client_cpu, "load_signal": signal.label, "warmup": warmup, "canary": canaries}
     return {"records": records, "workers": workers, "loads": loads, "extra": extra}
 
 

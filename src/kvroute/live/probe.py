@@ -861,10 +861,14 @@ class BracketProbe:
         k = len(self._sessions)
         if k > self.measurements:
             raise RuntimeError(f"the probe of {self.measurements} measurement(s) has run all its {k} sessions")
+        from kvroute.live.canary import canary, engine_cpus
+
         meta = {"load_average_before": [round(x, 2) for x in os.getloadavg()]}
+        meta["canary"] = [r | {"session": k, "when": "start"} for r in canary(engine_cpus(eng))]
         t0 = time.monotonic()
         rows, facts = probe_session(eng, self.hw, self.plan, k, self.phases(k))
         meta["probe_s"] = round(time.monotonic() - t0, 1)
+        meta["canary"] += [r | {"session": k, "when": "end"} for r in canary(engine_cpus(eng))]
         meta["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
         self._sessions.append((rows, facts, meta))
 
@@ -895,6 +899,7 @@ class BracketProbe:
         merge_phases(facts, f0)
         merge_phases(facts, f1)
         facts["load_average_after"] = m1["load_average_after"]
+        facts["canary"] = m0["canary"] + m1["canary"]  # kvroute.live.canary: the machine's speed as probed
         return rows0 + rows1, facts
 
     @property
