@@ -306,15 +306,15 @@ def _measure_experiments(items, hardware, policies, round_, engine, redis_url, t
                 nxt = f" (and before {items[i + 1].exp.name})" if i + 1 < len(items) else ""
                 log.info("probing %s after the measurement of %s%s", hardware, m.exp.name, nxt)
                 bracket.after(engines)
+    from kvroute.probefit import plan_facts
+
     summaries = []
     for i, (m, result) in enumerate(zip(items, done)):
         summary = write_results(result["records"], m.out, workers=result["workers"], extra=result["extra"])
         if bracket is not None:
-            from kvroute.probefit import plan_facts
-
             requests, facts = bracket.bracket(i)
-            write_probed(m.probe_out, requests,
-                         plan_facts(bracket.plan, hw) | facts | {"engine_session": _session_facts(items, i)})
+            write_probed(m.probe_out, requests, plan_facts(bracket.plan, hw) | facts
+                         | {"engine_session": result["extra"]["engine_session"]})
             log.info("wrote %s: %d probe requests (fit them with kvroute calibrate --probe --probed)", m.probe_out,
                      len(requests))
         summaries.append(_imbalance_from_metrics(summary, result["records"], result["loads"], m.out))
@@ -345,9 +345,10 @@ def _measure_runs(engines, hw, hardware, exp, out, runs, signal, source, kv_even
     canaries: dict[str, list[dict]] = {}
     for run in runs:
         trace = load_trace(exp, run.round, run.load)
+        key = _run_label(run.policy, run.round, run.load)
         engines.reset_prefix_cache()
         if engines.kind != "emulator":  # the machine's speed on the engines' cores, idle, before each run
-            canaries[_run_label(run.policy, run.round, run.load)] = canary(engine_cpus(engines))
+            canaries[key] = canary(engine_cpus(engines))
         peer = is_peer_spec(run.policy)
         at = "" if run.load is None else f" {exp.load.param}={run.load}"
         log.info("measuring %s of %s on %s round %d%s (%s)", run.policy, exp.name, hardware, run.round, at, source)
@@ -368,7 +369,6 @@ def _measure_runs(engines, hw, hardware, exp, out, runs, signal, source, kv_even
                                load_signal=PEER_VIEW if peer else signal.label, **load_columns(exp, run),
                                scaling=trace.meta.get("scaling"))
         workers[(exp.name, hardware, run.policy, run.round)] = list(engines.names)
-        key = _run_label(run.policy, run.round, run.load)
         client_cpu[key] = round(time.process_time() - cpu0, 3)
         checks[key] = result.cross_check()
         loads[key] = per_worker_load(result, list(engines.names), list(engines.urls))

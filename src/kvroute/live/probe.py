@@ -84,6 +84,7 @@ from dataclasses import asdict, dataclass, field, fields
 import aiohttp
 
 from kvroute.live import text
+from kvroute.live.canary import canary, engine_cpus
 from kvroute.live.engines import EngineError, pinned_process
 from kvroute.live.metrics import parse_metrics
 
@@ -861,8 +862,6 @@ class BracketProbe:
         k = len(self._sessions)
         if k > self.measurements:
             raise RuntimeError(f"the probe of {self.measurements} measurement(s) has run all its {k} sessions")
-        from kvroute.live.canary import canary, engine_cpus
-
         meta = {"load_average_before": [round(x, 2) for x in os.getloadavg()]}
         meta["canary"] = [r | {"session": k, "when": "start"} for r in canary(engine_cpus(eng))]
         t0 = time.monotonic()
