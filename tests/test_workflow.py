@@ -587,6 +587,22 @@ def test_profiles_name_their_executors():
     assert k8s["executor"] == "kubernetes" and k8s["container-image"] and k8s["default-storage-provider"]
 
 
+def test_default_profile_runs_no_more_single_threaded_jobs_than_cpus():
+    """The default profile, rendered as Snakemake renders it (YTE), gives every job one
+    ``cpu_slots`` and the run as many as this process's CPUs, so ``--cores 8`` on a
+    2-core machine runs two simulations at once, not eight sharing two cores."""
+    import yte
+
+    with (ROOT / "workflow/profiles/default/config.yaml").open() as fh:
+        profile = yte.process_yaml(fh, require_use_yte=True)
+    assert f"cpu_slots={len(os.sched_getaffinity(0))}" in profile["resources"]
+    assert "measure_slot=1" in profile["resources"]
+    assert profile["default-resources"] == ["cpu_slots=1"]
+    assert profile["cores"] == 8  # the documented command's; the slots, not the cores, cap the jobs
+    for other in ("slurm", "kubernetes"):  # a cluster's jobs are not this machine's
+        assert "cpu_slots" not in (ROOT / f"workflow/profiles/{other}/config.yaml").read_text()
+
+
 def test_editing_analysis_code_reruns_notebooks_not_simulations(built, capfd):
     cfg = _config(built[0])
     counts = _after_editing(built, capfd, "src/kvroute/analysis/__init__.py")
